@@ -1,0 +1,3 @@
+from sm120fork.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""`check`: every way the series and its files can disagree, as findings.
+
+Unlike `stack.load_stack`, nothing here stops at the first problem: a
+maintainer fixing a broken series wants the whole list at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sm120fork import dep3
+from sm120fork.applier import ApplyError, Overlay, apply_patch
+from sm120fork.errors import FatalError
+from sm120fork.normalform import DiffRenderer, render_patch
+from sm120fork.patchfile import PatchFile, PatchFileError, load_patch
+from sm120fork.paths import RepoPaths
+from sm120fork.series import Series, duplicate_entries, read_series
+
+
+@dataclass(frozen=True, order=True)
+class Finding:
+    where: str  # a path relative to the repository root
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}:{self.line}: {self.message}"
+
+
+def check_repository(paths: RepoPaths) -> list[Finding]:
+    if not paths.upstream_tree.is_dir():
+        raise FatalError(f"{paths.upstream_tree} does not exist; run `sm120fork import VERSION`")
+    series = read_series(paths.series_file)
+    findings = _series_findings(paths, series)
+    patches = _load_patches(paths, series, findings)
+    findings.extend(_patch_findings(paths.upstream_tree, patches))
+    return findings
+
+
+def _series_findings(paths: RepoPaths, series: Series) -> list[Finding]:
+    findings = [Finding("patches/series", p.lineno, p.message) for p in series.problems]
+    for duplicate in duplicate_entries(series.entries):
+        findings.append(
+            Finding("patches/series", duplicate.lineno, f"duplicate entry {duplicate.name}")
+        )
+    listed = set(series.names)
+    for entry in series.entries:
+        if not (paths.patches_dir / entry.name).is_file():
+            findings.append(
+                Finding("patches/series", entry.lineno, f"{entry.name} is listed but has no file")
+            )
+    for path in sorted(paths.patches_dir.rglob("*.patch")):
+        name = path.relative_to(paths.patches_dir).as_posix()
+        if name not in listed:
+            findings.append(Finding(f"patches/{name}", 1, "patch file is not in patches/series"))
+    return findings
+
+
+def _load_patches(paths: RepoPaths, series: Series, findings: list[Finding]) -> list[PatchFile]:
+    patches: list[PatchFile] = []
+    seen: set[str] = set()
+    for entry in series.entries:
+        path = paths.patches_dir / entry.name
+        if entry.name in seen or not path.is_file():
+            continue
+        seen.add(entry.name)
+        try:
+            patch = load_patch(path, entry.name, entry.strip)
+        except PatchFileError as error:
+            findings.append(Finding(f"patches/{entry.name}", error.lineno, error.reason))
+            continue
+        for problem in dep3.validate(patch.header):
+            findings.append(Finding(f"patches/{entry.name}", problem.lineno, problem.message))
+        patches.append(patch)
+    return patches
+
+
+def _patch_findings(tree: Path, patches: list[PatchFile]) -> list[Finding]:
+    """Exact application in order, and normal form against the tree below each patch."""
+    findings: list[Finding] = []
+    overlay = Overlay(tree)
+    with DiffRenderer() as renderer:
+        for patch in patches:
+            where = f"patches/{patch.name}"
+            before = {path: overlay.read(path) for path in patch.paths}
+            try:
+                apply_patch(overlay, patch)
+            except ApplyError as error:
+                line = _patch_line(patch, error)
+                findings.append(Finding(where, line, f"does not apply exactly: {error.message}"))
+                continue
+            after = {path: overlay.read(path) for path in patch.paths}
+            diff = renderer.diff(before, after)
+            if not diff:
+                findings.append(Finding(where, 1, "changes nothing on the tree below it"))
+                continue
+            normal = render_patch(patch.header, diff)
+            if normal != patch.raw:
+                line = _first_difference(patch.raw, normal)
+                findings.append(
+                    Finding(
+                        where,
+                        line,
+                        "is not in normal form (a refresh would rewrite it from this line); "
+                        "run `sm120fork refresh`",
+                    )
+                )
+    return findings
+
+
+def _patch_line(patch: PatchFile, error: ApplyError) -> int:
+    if error.hunk_lineno is not None:
+        return error.hunk_lineno
+    return next((f.lineno for f in patch.files if f.path == error.path), 1)
+
+
+def _first_difference(old: bytes, new: bytes) -> int:
+    old_lines, new_lines = old.split(b"\n"), new.split(b"\n")
+    for lineno, (a, b) in enumerate(zip(old_lines, new_lines, strict=False), start=1):
+        if a != b:
+            return lineno
+    return min(len(old_lines), len(new_lines))

@@ -1,0 +1,82 @@
+"""Command line entry point: `python -m sm120fork <command>` or `sm120fork <command>`.
+
+Each command lives in `sm120fork.commands.<name>` and exposes
+`add_arguments(parser)` and `run(args) -> int`. User errors (`FatalError`)
+are turned into one line on stderr and a non-zero exit here, and only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+from sm120fork.errors import EXIT_BAD_INPUT, FatalError
+
+# name -> one-line help; the module sm120fork.commands.<name> implements it.
+COMMANDS: dict[str, str] = {
+    "import": "vendor an upstream release into vendor/sglang and write its lock",
+    "check": "check that the patch series is consistent and applies exactly",
+    "refresh": "rewrite every patch in normal form",
+    "rebase": "carry the series onto a new upstream release",
+    "gates": "inventory the architecture gates of vendor/sglang",
+    "wheel": "build the fork's wheel from the upstream release wheel",
+    "apply": "write vendor/sglang with the series applied into a directory",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported, so one broken command spoils no other."""
+    parser = argparse.ArgumentParser(prog="sm120fork", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "-C",
+        "--repo",
+        type=Path,
+        default=Path.cwd(),
+        help="root of the fork's repository (default: current directory)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            _command_module(name).add_arguments(command_parser)
+    return parser
+
+
+def _command_module(name: str) -> ModuleType:
+    # `import` is a keyword, so its module is `import_`.
+    module = "import_" if name == "import" else name.replace("-", "_")
+    return importlib.import_module(f"sm120fork.commands.{module}")
+
+
+def _chosen_command(argv: Sequence[str]) -> str | None:
+    # The first word that names a command (options before it take no values but -C's).
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in ("-C", "--repo"):
+            skip = True
+        elif word in COMMANDS:
+            return word
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_chosen_command(argv)).parse_args(argv)
+    try:
+        return int(_command_module(args.command).run(args))
+    except FatalError as error:
+        print(f"sm120fork {args.command}: error: {error.message}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(f"sm120fork {args.command}: interrupted", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

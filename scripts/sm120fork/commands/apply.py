@@ -1,0 +1,50 @@
+"""`sm120fork apply --out DIR`: vendor/sglang with the series applied, written to DIR.
+
+DIR gets upstream's layout (DIR/python/sglang/...). The gate tests and the
+wheel build read the patched tree from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+from sm120fork.errors import EXIT_OK, FatalError
+from sm120fork.paths import RepoPaths
+from sm120fork.stack import apply_stack, load_stack, write_applied
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="directory to write (replaced)")
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        help="upstream tree to patch instead of vendor/sglang",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = RepoPaths(args.repo)
+    tree = args.tree or paths.upstream_tree
+    if not tree.is_dir():
+        raise FatalError(f"{tree} is not a directory; run `sm120fork import VERSION` first")
+    out: Path = args.out.resolve()
+    if out == tree.resolve() or tree.resolve() in out.parents:
+        raise FatalError(f"--out {out} must be outside the tree it patches")
+    stack = load_stack(paths)
+    overlay = apply_stack(tree, stack.patches)
+    # Build beside the target and swap, so a failure leaves `out` as it was.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write_applied(tree, overlay, staging / "tree")
+        if out.exists():
+            shutil.rmtree(out)
+        (staging / "tree").rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"applied {len(stack.patches)} patches to {tree} -> {out}")
+    return EXIT_OK

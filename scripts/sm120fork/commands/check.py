@@ -1,0 +1,28 @@
+"""`sm120fork check`: list every finding; exit 1 if there is any."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from sm120fork.checks import check_repository
+from sm120fork.errors import EXIT_FINDINGS, EXIT_OK
+from sm120fork.paths import RepoPaths
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser  # no options: the series, its files and vendor/ are the input
+
+
+def run(args: argparse.Namespace) -> int:
+    paths = RepoPaths(args.repo)
+    findings = check_repository(paths)
+    for finding in findings:
+        print(finding)
+    count = len(findings)
+    if count:
+        print(f"{count} finding{'s' if count != 1 else ''}", file=sys.stderr)
+        return EXIT_FINDINGS
+    names = sum(1 for _ in paths.patches_dir.glob("*.patch"))
+    print(f"series clean: {names} patches apply exactly to vendor/sglang, all in normal form")
+    return EXIT_OK

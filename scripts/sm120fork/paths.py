@@ -1,0 +1,40 @@
+"""Where things live in the fork's repository (DESIGN.md "Files")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RepoPaths:
+    root: Path
+
+    @property
+    def vendor_dir(self) -> Path:
+        return self.root / "vendor"
+
+    @property
+    def upstream_tree(self) -> Path:
+        """Pristine upstream, laid out as upstream's git repo (python/sglang/...)."""
+        return self.vendor_dir / "sglang"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.vendor_dir / "sglang.lock"
+
+    @property
+    def patches_dir(self) -> Path:
+        return self.root / "patches"
+
+    @property
+    def series_file(self) -> Path:
+        return self.patches_dir / "series"
+
+    @property
+    def build_dir(self) -> Path:
+        return self.root / "build"
+
+    @property
+    def changelog(self) -> Path:
+        return self.root / "CHANGELOG.md"

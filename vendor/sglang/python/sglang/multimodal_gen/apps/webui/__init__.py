@@ -1,0 +1,3 @@
+from .main import run_sgl_diffusion_webui
+
+__all__ = ["run_sgl_diffusion_webui"]

@@ -1,0 +1,1 @@
+# Copied and adapted from: https://github.com/hao-ai-lab/FastVideo

@@ -1,0 +1,5 @@
+from sglang.srt.disaggregation.fake.conn import (
+    FakeKVManager,
+    FakeKVReceiver,
+    FakeKVSender,
+)

@@ -1,0 +1,6 @@
+from sglang.srt.disaggregation.mori.conn import (
+    MoriKVBootstrapServer,
+    MoriKVManager,
+    MoriKVReceiver,
+    MoriKVSender,
+)

@@ -1,0 +1,1 @@
+# Ollama-compatible API for SGLang

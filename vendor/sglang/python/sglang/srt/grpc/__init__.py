@@ -1,0 +1,1 @@
+# SGLang gRPC module

@@ -1,0 +1,27 @@
+from sglang.srt.mem_cache.sparsity.algorithms import (
+    BaseSparseAlgorithm,
+    BaseSparseAlgorithmImpl,
+    DeepSeekNSAAlgorithm,
+    QuestAlgorithm,
+)
+from sglang.srt.mem_cache.sparsity.backend import BackendAdaptor, FlashAttentionAdaptor
+from sglang.srt.mem_cache.sparsity.core import SparseConfig, SparseCoordinator
+from sglang.srt.mem_cache.sparsity.factory import (
+    create_sparse_coordinator,
+    get_sparse_coordinator,
+    register_sparse_coordinator,
+)
+
+__all__ = [
+    "BaseSparseAlgorithm",
+    "BaseSparseAlgorithmImpl",
+    "QuestAlgorithm",
+    "DeepSeekNSAAlgorithm",
+    "BackendAdaptor",
+    "FlashAttentionAdaptor",
+    "SparseConfig",
+    "SparseCoordinator",
+    "create_sparse_coordinator",
+    "get_sparse_coordinator",
+    "register_sparse_coordinator",
+]

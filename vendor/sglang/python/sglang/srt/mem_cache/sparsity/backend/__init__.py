@@ -1,0 +1,7 @@
+from sglang.srt.mem_cache.sparsity.backend.backend_adaptor import (
+    BackendAdaptor,
+    FlashAttentionAdaptor,
+    NSABackendAdaptor,
+)
+
+__all__ = ["BackendAdaptor", "FlashAttentionAdaptor", "NSABackendAdaptor"]

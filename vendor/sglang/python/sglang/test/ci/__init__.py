@@ -1,0 +1,1 @@
+"""CI utilities for SGLang test infrastructure."""

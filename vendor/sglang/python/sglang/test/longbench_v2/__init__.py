@@ -1,0 +1,1 @@
+"""LongBench-v2 auxiliary utilities and validation scripts."""
