@@ -43,7 +43,9 @@ class Overlay:
         try:
             return file_path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as error:
-            raise FatalError(f"{path} in {self.base} is not UTF-8 text; patch only text files") from error
+            raise FatalError(
+                f"{path} in {self.base} is not UTF-8 text; patch only text files"
+            ) from error
 
     def write(self, path: str, text: str | None) -> None:
         self.changes[path] = text
@@ -106,7 +108,7 @@ def apply_file(
 
 def _matches(old_lines: list[str], hunk: Hunk, position: int) -> bool:
     wanted = hunk.old_lines
-    return 0 <= position and old_lines[position : position + len(wanted)] == wanted
+    return position >= 0 and old_lines[position : position + len(wanted)] == wanted
 
 
 def _locate(

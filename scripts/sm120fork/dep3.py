@@ -153,10 +153,16 @@ def validate(header: Dep3Header) -> list[HeaderProblem]:
     if origin is None:
         problem(None, "missing DEP-3 Origin: use 'vendor' or an upstream URL")
     elif not _valid_origin(origin.value):
-        problem(origin, f"DEP-3 Origin {origin.value!r} must be vendor/upstream/backport/other "
-                        "(optionally ', URL') or a URL")
+        problem(
+            origin,
+            f"DEP-3 Origin {origin.value!r} must be vendor/upstream/backport/other "
+            "(optionally ', URL') or a URL",
+        )
 
-    for bug in (*header.get_all("Bug"), *(f for f in header.fields if f.name.lower().startswith("bug-"))):
+    for bug in (
+        *header.get_all("Bug"),
+        *(f for f in header.fields if f.name.lower().startswith("bug-")),
+    ):
         if not _URL.fullmatch(bug.value.strip()):
             problem(bug, f"DEP-3 {bug.name} must be a URL, got {bug.value!r}")
 

@@ -17,7 +17,7 @@ def atomic_write(path: Path, data: bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        Path(tmp).replace(path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -38,4 +38,4 @@ def atomic_write_many(files: Mapping[Path, bytes]) -> None:
             Path(tmp).unlink(missing_ok=True)
         raise
     for tmp, path in staged:
-        os.replace(tmp, path)
+        Path(tmp).replace(path)

@@ -51,7 +51,9 @@ def parse_patch(raw: bytes, name: str, strip: int = 1) -> PatchFile:
         lineno = text[: text.index("\r\n")].count("\n") + 1
         raise PatchFileError(name, lineno, "has CRLF line endings; convert it to LF (dos2unix)")
     if not text.strip():
-        raise PatchFileError(name, 1, "is empty; delete it and its series entry, or write the change")
+        raise PatchFileError(
+            name, 1, "is empty; delete it and its series entry, or write the change"
+        )
     lines = text.splitlines(keepends=True)
     start = unidiff.diff_start(lines)
     if start is None:

@@ -106,7 +106,9 @@ def read_series(path: Path) -> Series:
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
-        raise FatalError(f"{path} is not UTF-8 text ({error.reason}); re-save it as UTF-8") from error
+        raise FatalError(
+            f"{path} is not UTF-8 text ({error.reason}); re-save it as UTF-8"
+        ) from error
     return parse_series(text)
 
 

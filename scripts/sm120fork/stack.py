@@ -38,7 +38,9 @@ def load_stack(paths: RepoPaths) -> Stack:
     return Stack(series=series, patches=tuple(patches))
 
 
-def apply_stack(tree: Path, patches: tuple[PatchFile, ...], *, allow_offset: bool = False) -> Overlay:
+def apply_stack(
+    tree: Path, patches: tuple[PatchFile, ...], *, allow_offset: bool = False
+) -> Overlay:
     """All patches applied in memory on top of `tree`; raises ApplyError on the first failure."""
     overlay = Overlay(tree)
     for patch in patches:

@@ -146,7 +146,9 @@ def _parse_hunks(lines: list[str], i: int, first_lineno: int) -> tuple[int, list
                 f"hunk says -{old_count} +{new_count} lines but has -{old_seen} +{new_seen}; "
                 "the patch is truncated or was edited by hand without fixing the counts",
             )
-        hunks.append(Hunk(old_start, old_count, new_start, new_count, match.group(5), tuple(body), lineno))
+        hunks.append(
+            Hunk(old_start, old_count, new_start, new_count, match.group(5), tuple(body), lineno)
+        )
     return i, hunks
 
 

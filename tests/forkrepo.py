@@ -1,0 +1,82 @@
+"""Build small fork repositories (vendor tree + patches) for the tool's tests."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+HEADER = """\
+From: Test Maintainer <test@example.com>
+Subject: [PATCH] {subject}
+
+{subject}, because a test needs it.
+
+Origin: vendor
+Bug: https://github.com/sgl-project/sglang/issues/1
+Forwarded: no
+Last-Update: 2026-11-29
+---
+"""
+
+BASE_FILES = {
+    "python/sglang/srt/server_args.py": "".join(f"line {i}\n" for i in range(1, 41)),
+    "python/sglang/srt/utils.py": "def is_sm120_supported():\n    return False\n",
+}
+
+
+def write_tree(root: Path, files: Mapping[str, str]) -> None:
+    for path, text in files.items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(text.encode("utf-8"))
+
+
+def make_patch(subject: str, base: Mapping[str, str], changed: Mapping[str, str]) -> str:
+    """A normal-form patch turning `base` into `changed` (git diff, no index lines)."""
+    import tempfile
+
+    def git(root: Path, *args: str) -> str:
+        return subprocess.run(
+            ["git", "-c", "core.quotepath=false", *args],
+            cwd=root, check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        git(root, "init", "-q", ".")
+        write_tree(root, {path: base[path] for path in changed if path in base})
+        git(root, "add", "-A", ".")
+        old_tree = git(root, "write-tree").strip()
+        write_tree(root, changed)
+        git(root, "add", "-A", ".")
+        new_tree = git(root, "write-tree").strip()
+        diff = git(
+            root, "diff", "--no-color", "--no-renames", "-U3", "--src-prefix=a/",
+            "--dst-prefix=b/", old_tree, new_tree,
+        )  # fmt: skip
+    body = "".join(line for line in diff.splitlines(keepends=True) if not line.startswith("index "))
+    return HEADER.format(subject=subject) + body
+
+
+def make_fork(
+    root: Path,
+    patches: Mapping[str, str] | None = None,
+    base: Mapping[str, str] = BASE_FILES,
+    series: str | None = None,
+) -> Path:
+    """A fork repo at `root`: vendor/sglang from `base`, the given patches and series."""
+    write_tree(root / "vendor" / "sglang", base)
+    patches_dir = root / "patches"
+    patches_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (patches or {}).items():
+        (patches_dir / name).write_bytes(text.encode("utf-8"))
+    if series is None:
+        series = "".join(f"{name}\n" for name in (patches or {}))
+    (patches_dir / "series").write_text(series)
+    return root
+
+
+def edit(text: str, old: str, new: str) -> str:
+    assert old in text, f"{old!r} not in text"
+    return text.replace(old, new, 1)
