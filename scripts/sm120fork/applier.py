@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sm120fork.errors import FatalError
+from sm120fork.lines import split_lines
 from sm120fork.patchfile import PatchFile
 from sm120fork.unidiff import FileDiff, Hunk
 
@@ -83,7 +84,7 @@ def apply_file(
         raise ApplyError(path, None, "the patch creates this file but it already exists")
     if file_diff.old_path is not None and original is None:
         raise ApplyError(path, None, "the patch changes this file but it does not exist upstream")
-    old_lines = (original or "").splitlines(keepends=True)
+    old_lines = split_lines(original or "")
     result: list[str] = []
     consumed = 0  # lines of old_lines already copied or replaced
     offsets: list[int] = []

@@ -19,6 +19,7 @@ from types import TracebackType
 
 from sm120fork import gitcmd
 from sm120fork.dep3 import Dep3Header
+from sm120fork.lines import split_lines
 
 _DIFF_OPTIONS = [
     "-c", "diff.noprefix=false",
@@ -61,7 +62,7 @@ class DiffRenderer:
         new_tree = self._tree(after)
         out = gitcmd.run([*_DIFF_OPTIONS, old_tree, new_tree], self._dir).stdout.decode("utf-8")
         return "".join(
-            line for line in out.splitlines(keepends=True) if not line.startswith("index ")
+            line for line in split_lines(out) if not line.startswith("index ")
         )
 
     def _tree(self, files: Mapping[str, str | None]) -> str:

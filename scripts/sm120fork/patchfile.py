@@ -7,6 +7,7 @@ from pathlib import Path
 
 from sm120fork import dep3, unidiff
 from sm120fork.errors import FatalError
+from sm120fork.lines import split_lines
 
 
 class PatchFileError(FatalError):
@@ -54,7 +55,7 @@ def parse_patch(raw: bytes, name: str, strip: int = 1) -> PatchFile:
         raise PatchFileError(
             name, 1, "is empty; delete it and its series entry, or write the change"
         )
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text)
     start = unidiff.diff_start(lines)
     if start is None:
         raise PatchFileError(name, len(lines), "contains no diff ('--- a/...' '+++ b/...')")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sm120fork.errors import FatalError
+from sm120fork.lines import split_rows
 
 _STRIP_OPTION = re.compile(r"-p(\d+)")
 # A patch name is a plain relative path inside patches/: no `..`, no absolute
@@ -76,7 +77,7 @@ def parse_series(text: str) -> Series:
     """Parse series text; malformed lines become problems, never exceptions."""
     lines: list[SeriesLine] = []
     problems: list[SeriesProblem] = []
-    for lineno, raw in enumerate(text.splitlines(), start=1):
+    for lineno, raw in enumerate(split_rows(text), start=1):
         entry, problem = _parse_line(raw, lineno)
         lines.append(SeriesLine(raw=raw, entry=entry))
         if problem:

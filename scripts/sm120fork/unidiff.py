@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from sm120fork.errors import FatalError
+from sm120fork.lines import split_lines
 
 _HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(.*)")
 _NO_NEWLINE = "\\ No newline at end of file"
@@ -83,7 +84,7 @@ def strip_path(raw: str, strip: int, lineno: int) -> str | None:
 
 def parse_diff(text: str, strip: int = 1, first_lineno: int = 1) -> tuple[FileDiff, ...]:
     """Parse every file section of `text`; line numbers are offset by `first_lineno`."""
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text)
     files: list[FileDiff] = []
     i = 0
     while i < len(lines):
