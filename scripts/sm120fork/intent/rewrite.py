@@ -1,0 +1,180 @@
+"""Find an intent's gate in one module and rewrite it, keeping formatting (libcst).
+
+The gate is found by meaning, not by text: an `if` whose condition admits
+`gate_admits`, inside a block whose header names the anchor (an `if` test,
+a decorator), and whose body holds the first switch's old choice. Then:
+the condition gains `or <sibling>` (the same helper form, for the included
+arch), and each switched choice becomes `(new if <sibling> else old)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, ParentNodeProvider
+
+from sm120fork.intent.archexpr import admits, arch_terms, helper_name
+from sm120fork.intent.model import Intent
+
+
+@dataclass(frozen=True)
+class GateMatch:
+    node: cst.If
+    term: cst.BaseExpression  # the arch term that admits `gate_admits`
+    already_included: bool  # upstream's condition admits the included arch already
+
+
+def _strings(node: cst.CSTNode) -> set[str]:
+    found: set[str] = set()
+
+    class Collector(cst.CSTVisitor):
+        def visit_SimpleString(self, string: cst.SimpleString) -> None:
+            value = string.evaluated_value
+            if isinstance(value, str):
+                found.add(value)
+
+    node.visit(Collector())
+    return found
+
+
+def _headers_above(
+    node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]
+) -> list[cst.CSTNode]:
+    """The headers (if tests, decorators) of the blocks whose bodies enclose `node`."""
+    headers: list[cst.CSTNode] = []
+    child, parent = node, parents.get(node)
+    while parent is not None:
+        if isinstance(parent, cst.If) and child is parent.body:
+            headers.append(parent.test)
+        elif isinstance(parent, cst.FunctionDef | cst.ClassDef) and child is parent.body:
+            headers.extend(parent.decorators)
+        child, parent = parent, parents.get(parent)
+    return headers
+
+
+def find_gates(wrapper: MetadataWrapper, intent: Intent) -> list[GateMatch]:
+    parents = wrapper.resolve(ParentNodeProvider)
+    matches: list[GateMatch] = []
+    first_old = intent.switches[0].old if intent.switches else None
+
+    class Finder(cst.CSTVisitor):
+        def visit_If(self, node: cst.If) -> None:
+            terms = [t for t in arch_terms(node.test) if admits(t, intent.gate_admits)]
+            if not terms:
+                return
+            if first_old is not None and first_old not in _strings(node.body):
+                return
+            if not any(intent.anchor in _strings(h) for h in _headers_above(node, parents)):
+                return
+            included = admits(node.test, intent.include) is True or any(
+                admits(t, intent.include) for t in arch_terms(node.test)
+            )
+            matches.append(GateMatch(node, terms[0], included))
+
+    wrapper.module.visit(Finder())
+    return matches
+
+
+def sibling_code(module: cst.Module, term: cst.BaseExpression, intent: Intent) -> str:
+    """The included arch's form of `term`: `is_sm100_supported()` -> `is_sm120_supported()`."""
+    bare = term.with_changes(lpar=[], rpar=[]) if term.lpar else term
+    code = module.code_for_node(bare).strip()
+    sibling = code.replace(intent.gate_admits, intent.include)
+    if isinstance(term, cst.Name) and sibling.lstrip("_") not in _module_bindings(module):
+        # A cached flag the module does not have for the included arch: call the helper.
+        helper = helper_name(term) or ""
+        sibling = helper.replace(intent.gate_admits, intent.include) + "()"
+    return sibling
+
+
+def _module_bindings(module: cst.Module) -> set[str]:
+    names: set[str] = set()
+    for statement in module.body:
+        if isinstance(statement, cst.SimpleStatementLine):
+            for small in statement.body:
+                if isinstance(small, cst.ImportFrom) and not isinstance(
+                    small.names, cst.ImportStar
+                ):
+                    names.update(_alias_name(a) for a in small.names)
+                elif isinstance(small, cst.Assign):
+                    for target in small.targets:
+                        if isinstance(target.target, cst.Name):
+                            names.add(target.target.value.lstrip("_"))
+        elif isinstance(statement, cst.FunctionDef):
+            names.add(statement.name.value)
+    return names
+
+
+def _alias_name(alias: cst.ImportAlias) -> str:
+    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+        return alias.asname.name.value
+    name = alias.name
+    return name.value if isinstance(name, cst.Name) else name.attr.value
+
+
+def rewrite_gate(module: cst.Module, match: GateMatch, intent: Intent) -> cst.Module:
+    sibling = sibling_code(module, match.term, intent)
+    test = match.node.test
+    if isinstance(test, cst.BooleanOperation | cst.IfExp | cst.Lambda) and not test.lpar:
+        test = test.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+    new_test = cst.BooleanOperation(
+        left=test,
+        operator=cst.Or(),
+        right=cst.parse_expression(sibling),
+    )
+    switches = {s.old: s.new for s in intent.switches}
+
+    class Switcher(cst.CSTTransformer):
+        def leave_SimpleString(
+            self, original: cst.SimpleString, updated: cst.SimpleString
+        ) -> cst.BaseExpression:
+            value = original.evaluated_value
+            if not isinstance(value, str) or value not in switches:
+                return updated
+            quote = original.quote
+            new_literal = f"{quote}{switches[value]}{quote}"
+            return cst.parse_expression(f"({new_literal} if {sibling} else {original.value})")
+
+    new_body = match.node.body.visit(Switcher())
+    new_if = match.node.with_changes(test=new_test, body=new_body)
+    replaced = module.deep_replace(match.node, new_if)
+    assert isinstance(replaced, cst.Module)
+    return _ensure_import(replaced, match.term, sibling, intent)
+
+
+def _ensure_import(
+    module: cst.Module, term: cst.BaseExpression, sibling: str, intent: Intent
+) -> cst.Module:
+    """Import the sibling helper beside the gate's own helper, if the module lacks it."""
+    called = sibling.removesuffix("()")
+    if not sibling.endswith("()") or "." in called or called in _module_bindings(module):
+        return module
+    original_helper = called.replace(intent.include, intent.gate_admits)
+
+    class Importer(cst.CSTTransformer):
+        done = False
+
+        def leave_ImportFrom(
+            self, original: cst.ImportFrom, updated: cst.ImportFrom
+        ) -> cst.ImportFrom:
+            if self.done or isinstance(updated.names, cst.ImportStar):
+                return updated
+            names = list(updated.names)
+            for index, alias in enumerate(names):
+                if _alias_name(alias) == original_helper:
+                    # The new alias ends as the helper's alias ended; the helper now
+                    # ends like an alias in the middle of the list.
+                    middle = names[index - 1].comma if index > 0 else alias.comma
+                    if not isinstance(middle, cst.Comma):
+                        middle = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+                    names[index] = alias.with_changes(comma=middle)
+                    names.insert(
+                        index + 1, cst.ImportAlias(name=cst.Name(called), comma=alias.comma)
+                    )
+                    self.done = True
+                    return updated.with_changes(names=names)
+            return updated
+
+    return module.visit(Importer())
