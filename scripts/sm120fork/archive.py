@@ -1,0 +1,228 @@
+"""Reading upstream archives without trusting them.
+
+Every member name is checked before anything is written, links and special
+files are refused, and files are written by this module (never by zipfile or
+tarfile extraction) under a fresh directory, so a hostile archive cannot
+reach outside the tree. A wheel is verified member by member against its
+RECORD before its contents are used at all.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import io
+import stat
+import tarfile
+import zipfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from email.parser import HeaderParser
+from pathlib import Path, PurePosixPath
+
+from sm120fork.errors import FatalError
+
+# Hash names RECORD may use (the wheel spec asks for sha256 or stronger).
+_RECORD_HASHES = frozenset({"sha256", "sha384", "sha512"})
+# Signature files that RECORD lists without a hash.
+_UNHASHED = (".dist-info/RECORD", ".dist-info/RECORD.jws", ".dist-info/RECORD.p7s")
+
+
+@dataclass(frozen=True)
+class WheelTree:
+    """What `extract_wheel_package` wrote, and what it left out."""
+
+    files: int
+    skipped: tuple[str, ...]  # member names of binary files not written
+    license: tuple[str, bytes] | None  # (member, bytes) of the dist-info LICENSE, if any
+
+
+def is_text(data: bytes) -> bool:
+    """Text for vendoring: valid UTF-8 with no NUL byte (so no `.so`, `.co`, images)."""
+    if b"\0" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def safe_member_path(name: str, archive: str) -> PurePosixPath:
+    """`name` as a relative path that stays inside the tree, or a FatalError naming it."""
+    parts = [part for part in name.split("/") if part not in ("", ".")]
+    unsafe = (
+        not parts
+        or name.startswith("/")
+        or "\\" in name
+        or "\0" in name
+        or (len(name) > 1 and name[1] == ":")  # a Windows drive
+        or ".." in parts
+    )
+    if unsafe:
+        raise FatalError(
+            f"{archive}: unsafe member {name!r} would leave the tree; refusing this archive"
+        )
+    return PurePosixPath(*parts)
+
+
+def write_file(root: Path, relative: PurePosixPath, data: bytes, *, executable: bool) -> None:
+    """Write one member under `root` (a fresh directory this tool created)."""
+    target = root.joinpath(*relative.parts)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "xb") as handle:
+            handle.write(data)
+        target.chmod(0o755 if executable else 0o644)
+    except OSError as error:
+        raise FatalError(
+            f"cannot write {relative} ({error.strerror}): the archive has conflicting members"
+        ) from error
+
+
+@contextmanager
+def _corrupt_is_fatal(archive: Path) -> Iterator[None]:
+    try:
+        yield
+    except (zipfile.BadZipFile, tarfile.TarError, zlib.error, EOFError, OSError) as error:
+        if isinstance(error, FatalError):  # pragma: no cover - FatalError is no OSError
+            raise
+        raise FatalError(
+            f"{archive.name} is corrupt or truncated ({error}); delete it and download it again"
+        ) from error
+
+
+def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
+    """Write the text files of `package/` as `dest/<package>/...`, verifying every
+    member of `wheel` against RECORD on the way; binary files are skipped and listed.
+
+    `dest` must be a fresh directory that the caller throws away if this raises."""
+    written, skipped, license_files = 0, [], {}
+    with _corrupt_is_fatal(wheel), zipfile.ZipFile(wheel) as archive:
+        infos = archive.infolist()
+        _check_zip_members(infos, wheel.name)
+        record_name, record = _read_record(archive, infos, wheel.name)
+        dist_info = record_name.rsplit("/", 1)[0]
+        listed = {info.filename for info in infos if not info.is_dir()}
+        missing = sorted(set(record) - listed)
+        if missing:
+            raise FatalError(f"{wheel.name}: RECORD lists {missing[0]} but the wheel lacks it")
+        for info in infos:
+            if info.is_dir():
+                continue
+            data = archive.read(info)  # checks the CRC as well
+            _verify_against_record(info.filename, data, record, wheel.name)
+            path = safe_member_path(info.filename, wheel.name)
+            if path.parts[0] == package:
+                if is_text(data):
+                    write_file(
+                        dest, path, data, executable=bool((info.external_attr >> 16) & 0o111)
+                    )
+                    written += 1
+                else:
+                    skipped.append(info.filename)
+            elif path.parts[0] == dist_info:
+                license_files[info.filename] = data
+        metadata = f"{dist_info}/METADATA"
+        declared = _license_files(archive.read(metadata)) if metadata in listed else []
+    return WheelTree(written, tuple(skipped), _pick_license(dist_info, declared, license_files))
+
+
+def _check_zip_members(infos: list[zipfile.ZipInfo], archive: str) -> None:
+    seen: set[str] = set()
+    for info in infos:
+        safe_member_path(info.filename, archive)
+        # Unix zips may carry a file type in the high bits; many tools leave it 0.
+        file_type = stat.S_IFMT(info.external_attr >> 16) if info.create_system == 3 else 0
+        if file_type not in (0, stat.S_IFREG, stat.S_IFDIR):
+            kind = "a symlink" if file_type == stat.S_IFLNK else "not a regular file"
+            raise FatalError(f"{archive}: member {info.filename!r} is {kind}; refusing this wheel")
+        if info.filename in seen:
+            raise FatalError(f"{archive}: member {info.filename!r} appears twice; refusing it")
+        seen.add(info.filename)
+
+
+def _read_record(
+    archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo], name: str
+) -> tuple[str, dict[str, tuple[str, str]]]:
+    records = [
+        i.filename
+        for i in infos
+        if i.filename.endswith(".dist-info/RECORD") and i.filename.count("/") == 1
+    ]
+    if len(records) != 1:
+        raise FatalError(f"{name} has no RECORD (or several); refusing an unverifiable wheel")
+    text = archive.read(records[0]).decode("utf-8", "replace")
+    record: dict[str, tuple[str, str]] = {}
+    for row in csv.reader(io.StringIO(text)):
+        if not row:
+            continue
+        path, digest, size = [*row, "", ""][:3]
+        record[path] = (digest, size)
+    return records[0], record
+
+
+def _verify_against_record(
+    member: str, data: bytes, record: dict[str, tuple[str, str]], archive: str
+) -> None:
+    if member.endswith(_UNHASHED):
+        return
+    if member not in record:
+        raise FatalError(f"{archive}: member {member} is not in RECORD; refusing this wheel")
+    digest, size = record[member]
+    algorithm, _, expected = digest.partition("=")
+    if algorithm not in _RECORD_HASHES:
+        raise FatalError(f"{archive}: RECORD has no usable hash for {member}; refusing this wheel")
+    actual = base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=")
+    if actual.decode("ascii") != expected or (size and size != str(len(data))):
+        raise FatalError(
+            f"{archive}: member {member} does not match its RECORD {algorithm}; "
+            "the wheel was altered or damaged, download it again from the index"
+        )
+
+
+def _license_files(metadata: bytes) -> list[str]:
+    headers = HeaderParser().parsestr(metadata.decode("utf-8", "replace"))
+    return headers.get_all("License-File") or []
+
+
+def _pick_license(
+    dist_info: str, declared: list[str], files: dict[str, bytes]
+) -> tuple[str, bytes] | None:
+    # Metadata 2.4 puts License-File entries under licenses/, older wheels at the top.
+    candidates = [f"{dist_info}/licenses/{name}" for name in declared]
+    candidates += [f"{dist_info}/{name}" for name in declared]
+    candidates += [f"{dist_info}/licenses/LICENSE", f"{dist_info}/LICENSE"]
+    # Upstream's repository licence is the file named LICENSE; prefer it over NOTICE etc.
+    candidates.sort(key=lambda member: PurePosixPath(member).name != "LICENSE")
+    for member in candidates:
+        if member in files and is_text(files[member]):
+            return member, files[member]
+    return None
+
+
+def read_sdist_license(sdist: Path) -> tuple[str, bytes]:
+    """(`<top>/LICENSE`, its bytes) from an sdist tarball, refusing unsafe members."""
+    with _corrupt_is_fatal(sdist), tarfile.open(sdist, "r:*") as archive:
+        found: tarfile.TarInfo | None = None
+        for member in archive:
+            path = safe_member_path(member.name, sdist.name)
+            if member.issym() or member.islnk():
+                raise FatalError(f"{sdist.name}: member {member.name!r} is a link; refusing it")
+            if not (member.isfile() or member.isdir()):
+                raise FatalError(
+                    f"{sdist.name}: member {member.name!r} is not a regular file; refusing it"
+                )
+            if len(path.parts) == 2 and path.parts[1] == "LICENSE" and member.isfile():
+                found = member
+        if found is None:
+            raise FatalError(f"{sdist.name} has no top-level LICENSE; cannot vendor the licence")
+        handle = archive.extractfile(found)
+        assert handle is not None  # a regular file always has a handle
+        data = handle.read()
+    if not is_text(data):
+        raise FatalError(f"{sdist.name}: {found.name} is not a text file; refusing it")
+    return found.name, data
