@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
-from forkrepo import edit
+import pytest
+from forkrepo import edit, make_fork, make_patch
+from sm120fork.cli import main
 from sm120fork.intent.model import Intent, Switch
 from sm120fork.intent.reapply import reapply
 
@@ -123,3 +126,45 @@ def test_cached_flag_without_a_sibling_flag_uses_the_helper() -> None:
     new = changes["python/sglang/srt/server_args.py"]
     assert "if (_is_sm100_supported and self.x) or is_sm120_supported():" in new
     assert "is_sm120_supported,\n" in new
+
+
+INTENTS_TOML = """\
+[[intent]]
+patch = "0001-glm.patch"
+says = "Glm4Moe on SM12x: quant auto-detect and flashinfer_cutlass"
+anchor = "Glm4MoeForCausalLM"
+gate_admits = "sm100"
+include = "sm120"
+files = ["python/sglang/srt/server_args.py"]
+[[intent.switch]]
+old = "flashinfer_trtllm"
+new = "flashinfer_cutlass"
+"""
+
+
+def _fork_with_recipe_patch(root: Path) -> None:
+    base = {"python/sglang/srt/server_args.py": ORIGINAL}
+    _, _, changes = run(dict(base))
+    make_fork(root, {"0001-glm.patch": make_patch("glm on sm120", base, changes)}, base=base)
+    (root / "patches" / "intents.toml").write_text(INTENTS_TOML)
+
+
+def test_check_proves_the_recipe_reproduces_its_patch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fork_with_recipe_patch(tmp_path)
+    assert main(["-C", str(tmp_path), "check"]) == 0
+    recipe = tmp_path / "patches" / "intents.toml"
+    recipe.write_text(edit(INTENTS_TOML, 'new = "flashinfer_cutlass"', 'new = "flashinfer_cutlas"'))
+    assert main(["-C", str(tmp_path), "check"]) == 1
+    assert "does not reproduce the patch" in capsys.readouterr().out
+
+
+def test_check_flags_an_intent_for_a_patch_not_in_the_series(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fork_with_recipe_patch(tmp_path)
+    recipe = tmp_path / "patches" / "intents.toml"
+    recipe.write_text(INTENTS_TOML.replace("0001-glm.patch", "0009-gone.patch"))
+    assert main(["-C", str(tmp_path), "check"]) == 1
+    assert "intent for 0009-gone.patch, which is not in the series" in capsys.readouterr().out

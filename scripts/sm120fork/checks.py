@@ -6,16 +6,21 @@ maintainer fixing a broken series wants the whole list at once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from sm120fork import dep3
 from sm120fork.applier import ApplyError, Overlay, apply_patch
 from sm120fork.errors import FatalError
+from sm120fork.intent.model import Intent, load_intents
+from sm120fork.intent.reapply import reapply
 from sm120fork.normalform import DiffRenderer, render_patch
 from sm120fork.patchfile import PatchFile, PatchFileError, load_patch
 from sm120fork.paths import RepoPaths
 from sm120fork.series import Series, duplicate_entries, read_series
+
+INTENTS_FILE = "intents.toml"
 
 
 @dataclass(frozen=True, order=True)
@@ -34,7 +39,12 @@ def check_repository(paths: RepoPaths) -> list[Finding]:
     series = read_series(paths.series_file)
     findings = _series_findings(paths, series)
     patches = _load_patches(paths, series, findings)
-    findings.extend(_patch_findings(paths.upstream_tree, patches))
+    intents = load_intents(paths.patches_dir / INTENTS_FILE)
+    for name in sorted(set(intents) - set(series.names)):
+        findings.append(
+            Finding(f"patches/{INTENTS_FILE}", 1, f"intent for {name}, which is not in the series")
+        )
+    findings.extend(_patch_findings(paths.upstream_tree, patches, intents))
     return findings
 
 
@@ -76,13 +86,17 @@ def _load_patches(paths: RepoPaths, series: Series, findings: list[Finding]) -> 
     return patches
 
 
-def _patch_findings(tree: Path, patches: list[PatchFile]) -> list[Finding]:
+def _patch_findings(
+    tree: Path, patches: list[PatchFile], intents: Mapping[str, Intent]
+) -> list[Finding]:
     """Exact application in order, and normal form against the tree below each patch."""
     findings: list[Finding] = []
     overlay = Overlay(tree)
     with DiffRenderer() as renderer:
         for patch in patches:
             where = f"patches/{patch.name}"
+            intent = intents.get(patch.name)
+            recipe = reapply(intent, overlay.read, []) if intent else None
             before = {path: overlay.read(path) for path in patch.paths}
             try:
                 apply_patch(overlay, patch)
@@ -91,6 +105,15 @@ def _patch_findings(tree: Path, patches: list[PatchFile]) -> list[Finding]:
                 findings.append(Finding(where, line, f"does not apply exactly: {error.message}"))
                 continue
             after = {path: overlay.read(path) for path in patch.paths}
+            if recipe is not None and recipe.changes != after:
+                findings.append(
+                    Finding(
+                        f"patches/{INTENTS_FILE}",
+                        1,
+                        f"the intent of {patch.name} does not reproduce the patch "
+                        f"({recipe.status}: {recipe.detail}); fix the recipe or the patch",
+                    )
+                )
             diff = renderer.diff(before, after)
             if not diff:
                 findings.append(Finding(where, 1, "changes nothing on the tree below it"))

@@ -30,6 +30,12 @@ class Switch:
 
 
 @dataclass(frozen=True)
+class Insert:
+    after: str
+    code: str
+
+
+@dataclass(frozen=True)
 class Intent:
     patch: str
     says: str
@@ -38,6 +44,7 @@ class Intent:
     include: str
     switches: tuple[Switch, ...]
     files: tuple[str, ...]  # where the gate was when the intent was written (searched first)
+    inserts: tuple[Insert, ...] = ()
 
 
 def load_intents(path: Path) -> dict[str, Intent]:
@@ -77,6 +84,16 @@ def _parse(raw: dict[str, object], where: str) -> Intent:
         ):
             raise FatalError(f"{where}: every [[intent.switch]] needs string `old` and `new`")
         switches.append(Switch(item["old"], item["new"]))
+    raw_inserts = raw.get("insert", [])
+    if not isinstance(raw_inserts, list):
+        raise FatalError(f"{where}: `insert` must be an array of tables ([[intent.insert]])")
+    inserts = []
+    for item in raw_inserts:
+        if not isinstance(item, dict) or not all(
+            isinstance(item.get(k), str) for k in ("after", "code")
+        ):
+            raise FatalError(f"{where}: every [[intent.insert]] needs string `after` and `code`")
+        inserts.append(Insert(item["after"], item["code"]))
     files = raw.get("files", [])
     if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
         raise FatalError(f"{where}: `files` must be a list of paths")
@@ -88,4 +105,5 @@ def _parse(raw: dict[str, object], where: str) -> Intent:
         include=text("include"),
         switches=tuple(switches),
         files=tuple(files),
+        inserts=tuple(inserts),
     )

@@ -9,7 +9,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper
 
 from sm120fork.intent.model import Intent
-from sm120fork.intent.rewrite import GateMatch, find_gates, rewrite_gate
+from sm120fork.intent.rewrite import GateMatch, IntentError, find_gates, rewrite_gate
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,12 @@ def _resolve(intent: Intent, path: str, module: cst.Module, matches: list[GateMa
             "not-found",
             f"{len(pending)} gates in {path} fit {intent.anchor!r}; the intent is ambiguous there",
         )
-    rewritten = rewrite_gate(module, pending[0], intent)
+    try:
+        rewritten = rewrite_gate(module, pending[0], intent)
+    except IntentError as error:
+        return Reapplied(
+            "not-found", f"the gate in {path} no longer fits the intent: {error.message}"
+        )
     return Reapplied(
         "resolved",
         f"re-applied intent in {path}: {intent.says}",

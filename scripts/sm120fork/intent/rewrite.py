@@ -9,14 +9,20 @@ arch), and each switched choice becomes `(new if <sibling> else old)`.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider
 
+from sm120fork.errors import FatalError
 from sm120fork.intent.archexpr import admits, arch_terms, helper_name
-from sm120fork.intent.model import Intent
+from sm120fork.intent.model import Insert, Intent
+
+
+class IntentError(FatalError):
+    """An intent that does not fit the code it found (reported, never a traceback)."""
 
 
 @dataclass(frozen=True)
@@ -138,10 +144,41 @@ def rewrite_gate(module: cst.Module, match: GateMatch, intent: Intent) -> cst.Mo
             return cst.parse_expression(f"({new_literal} if {sibling} else {original.value})")
 
     new_body = match.node.body.visit(Switcher())
+    assert isinstance(new_body, cst.BaseSuite)  # a transformer returning a suite for a suite
+    for insert in intent.inserts:
+        new_body = _insert_after(new_body, insert, sibling)
     new_if = match.node.with_changes(test=new_test, body=new_body)
     replaced = module.deep_replace(match.node, new_if)
     assert isinstance(replaced, cst.Module)
     return _ensure_import(replaced, match.term, sibling, intent)
+
+
+def _insert_after(body: cst.BaseSuite, insert: Insert, sibling: str) -> cst.BaseSuite:
+    """`insert.code` (with `{include}` filled in) after the body's assignment to `insert.after`."""
+    if not isinstance(body, cst.IndentedBlock):
+        raise IntentError(
+            f"the gate's body is a one-line suite; cannot insert after {insert.after}"
+        )
+    code = textwrap.dedent(insert.code).strip("\n").replace("{include}", sibling) + "\n"
+    statements = list(cst.parse_module(code).body)
+    for index, statement in enumerate(body.body):
+        if insert.after in _assigned_names(statement):
+            new = [*body.body[: index + 1], *statements, *body.body[index + 1 :]]
+            return body.with_changes(body=new)
+    raise IntentError(f"the gate's body assigns no `{insert.after}` to insert after")
+
+
+def _assigned_names(statement: cst.BaseStatement) -> set[str]:
+    names: set[str] = set()
+    if isinstance(statement, cst.SimpleStatementLine):
+        for small in statement.body:
+            targets = []
+            if isinstance(small, cst.Assign):
+                targets = [t.target for t in small.targets]
+            elif isinstance(small, cst.AnnAssign | cst.AugAssign):
+                targets = [small.target]
+            names.update(t.value for t in targets if isinstance(t, cst.Name))
+    return names
 
 
 def _ensure_import(
