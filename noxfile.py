@@ -5,7 +5,17 @@ The logic lives in the package; sessions only install and forward arguments.
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+from pathlib import Path
+
 import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 nox.options.sessions = ["check", "tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -33,7 +43,8 @@ def tests(session: nox.Session) -> None:
     """The whole test suite: the tool's tests, then the architecture-gate tests."""
     _install_tool(session)
     session.install(*TEST_DEPS)
-    session.run("pytest", "-q", *session.posargs)
+    session.run("pytest", "-q", f"--ignore={GATE_TESTS}", *session.posargs)
+    _run_gate_tests(session, [])
 
 
 @nox.session(python=PYTHON)
@@ -44,3 +55,83 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "scripts", "tests", "noxfile.py", "benchmarks")
     session.run("ruff", "format", "--check", "scripts", "tests", "noxfile.py", "benchmarks")
     session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def wheel(session: nox.Session) -> None:
+    """dist/sglang-<upstream>+sm120.<n>-<tags>.whl (`-- --all`: one per upstream wheel)."""
+    _install_tool(session)
+    session.run(*TOOL, "wheel", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def rebase(session: nox.Session) -> None:
+    """Rebase the series onto an upstream release (`-- v0.5.10`, `-- --continue`, `-- --abort`)."""
+    _install_tool(session)
+    session.run(*TOOL, "rebase", *session.posargs)
+
+
+# --- architecture-gate tests (tests/gates) -----------------------------------------
+# They run in their own environment: upstream sglang's wheel with its pinned
+# dependencies (torch+CUDA, sgl-kernel, flashinfer, ... ~11 GB), because sglang
+# imports its CUDA extensions once torch.cuda is faked as available. The venv lives
+# outside the checkout, keyed by the vendored version, so fresh clones reuse it; pip
+# reinstalls only when the requirements below change. The tested sglang tree shadows
+# the installed one through sys.path (see tests/gates/README.md).
+
+GATE_TESTS = "tests/gates"
+
+
+def _vendored_version() -> str:
+    lock = Path("vendor/sglang.lock")
+    if lock.is_file():
+        return str(tomllib.loads(lock.read_text())["version"])
+    text = Path("vendor/sglang/python/sglang/_version.py").read_text()
+    match = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]", text)
+    if not match:
+        raise RuntimeError("cannot tell the vendored sglang version: no vendor/sglang.lock")
+    return match.group(1)
+
+
+def _gate_requirements(version: str) -> list[str]:
+    """Upstream's wheel (it brings its own pins), pytest, and the tool's own deps
+    (`sm120fork apply` builds the patched tree inside the gate run)."""
+    tool_deps = tomllib.loads(Path("pyproject.toml").read_text())["project"]["dependencies"]
+    return [f"sglang=={version}", "pytest>=8", *tool_deps]
+
+
+def _gate_env(session: nox.Session) -> Path:
+    """The gate venv's python, created or updated as needed."""
+    version = _vendored_version()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    venv = Path(os.environ.get("SM120_GATE_ENV") or cache / "sglang-sm120" / f"gate-env-{version}")
+    python = venv / "bin" / "python"
+    stamp = venv / "sm120-gate-requirements.txt"
+    requirements = _gate_requirements(version)
+    wanted = "\n".join(requirements) + "\n"
+    if not python.exists():
+        session.run("python", "-m", "venv", str(venv))
+    if not stamp.is_file() or stamp.read_text() != wanted:
+        session.log(f"installing the gate environment into {venv} (several GB, first time)")
+        session.run(str(python), "-m", "pip", "install", *requirements, external=True)
+        stamp.write_text(wanted)
+    return python
+
+
+def _run_gate_tests(session: nox.Session, args: list[str]) -> None:
+    python = _gate_env(session)
+    pytest = [str(python), "-m", "pytest", GATE_TESTS, f"--confcutdir={GATE_TESTS}"]
+    session.run(*pytest, "-p", "no:cacheprovider", "-q", *args, external=True)
+
+
+@nox.session(python=PYTHON)
+def gate_tests(session: nox.Session) -> None:
+    """Architecture-gate tests, pristine and patched (`-- --gate-tree DIR` etc.: pytest args)."""
+    _run_gate_tests(session, session.posargs)
+
+
+@nox.session(python=PYTHON)
+def gate_bench(session: nox.Session) -> None:
+    """Time the full gate matrix (benchmarks/gate_matrix.py; `-- --jobs 1 2 3`)."""
+    python = _gate_env(session)
+    session.run(str(python), "benchmarks/gate_matrix.py", *session.posargs, external=True)

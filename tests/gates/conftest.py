@@ -1,0 +1,144 @@
+"""pytest wiring of the architecture-gate suite (run it in the gate environment).
+
+Options (all optional):
+  --gate-tree T     the sglang to test, repeatable: ``pristine`` (vendor/sglang),
+                    ``patched`` (vendor/sglang + patches/series, built with
+                    `sm120fork apply`), or a directory to put first on sys.path
+                    (e.g. a `pip install --target` dir); default: pristine and patched
+  --gate-mode M     how a directory given to --gate-tree is judged: patched (default)
+                    or pristine
+  --gate-arch A     only these architectures (repeatable; for quick iteration)
+  --gate-jobs N     parallel child interpreters (default: CPU count)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .gate_harness import runner, spec, table, trees
+
+RESULTS = pytest.StashKey[dict[str, list[tuple[table.Row, list[table.CellResult]]]]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("sm120 gates", "architecture-gate tests")
+    group.addoption("--gate-tree", action="append", default=[], metavar="TREE")
+    group.addoption("--gate-mode", choices=trees.MODES, default=trees.PATCHED)
+    group.addoption("--gate-arch", action="append", default=[], metavar="ARCH")
+    group.addoption("--gate-jobs", type=int, default=None, metavar="N")
+
+
+def _tree_specs(config: pytest.Config) -> list[tuple[str, str]]:
+    """(label, tree option value) for every tree to test, known at collection time."""
+    values: list[str] = config.getoption("--gate-tree") or [trees.PRISTINE, trees.PATCHED]
+    specs = []
+    for index, value in enumerate(values):
+        label = value if value in trees.MODES else f"tree{index}-{Path(value).name}"
+        specs.append((label, value))
+    return specs
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[RESULTS] = {}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    config = metafunc.config
+    labels = [label for label, _ in _tree_specs(config)]
+    if "tree_label" in metafunc.fixturenames and "row" in metafunc.fixturenames:
+        rows = load_rows()
+        params = [(label, row) for label in labels for row in rows]
+        metafunc.parametrize(
+            ("tree_label", "row"),
+            params,
+            ids=[f"{label}-{row.number}-{row.scenario}:{row.field}" for label, row in params],
+        )
+    elif "tree_label" in metafunc.fixturenames:
+        metafunc.parametrize("tree_label", labels)
+
+
+def load_archs() -> tuple[spec.Arch, ...]:
+    return spec.load_archs()
+
+
+def load_rows() -> tuple[table.Row, ...]:
+    return table.load_table([a.name for a in load_archs()]).rows
+
+
+@pytest.fixture(scope="session")
+def gate_trees(
+    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, trees.Tree]:
+    result = {}
+    for label, value in _tree_specs(pytestconfig):
+        if value == trees.PRISTINE:
+            result[label] = trees.pristine_tree()
+        elif value == trees.PATCHED:
+            result[label] = trees.build_patched_tree(tmp_path_factory.mktemp("patched-tree"))
+        else:
+            path = Path(value).resolve()
+            if not (path / "sglang" / "__init__.py").is_file():
+                raise pytest.UsageError(f"--gate-tree {value}: no sglang/__init__.py in {path}")
+            result[label] = trees.Tree(label, path, pytestconfig.getoption("--gate-mode"))
+    return result
+
+
+@pytest.fixture(scope="session")
+def gate_archs(pytestconfig: pytest.Config) -> tuple[spec.Arch, ...]:
+    wanted = set(pytestconfig.getoption("--gate-arch"))
+    archs = tuple(a for a in load_archs() if not wanted or a.name in wanted)
+    if wanted - {a.name for a in archs}:
+        raise pytest.UsageError(f"--gate-arch: unknown {sorted(wanted - {a.name for a in archs})}")
+    return archs
+
+
+@pytest.fixture(scope="session")
+def matrices(
+    pytestconfig: pytest.Config,
+    tmp_path_factory: pytest.TempPathFactory,
+    gate_trees: dict[str, trees.Tree],
+    gate_archs: tuple[spec.Arch, ...],
+) -> dict[str, runner.MatrixRun]:
+    """Observe every tree on every architecture once per session (children in parallel)."""
+    return runner.run_matrices(
+        {label: tree.path for label, tree in gate_trees.items()},
+        gate_archs,
+        list(spec.load_scenarios().values()),
+        scratch=tmp_path_factory.mktemp("gate-matrix"),
+        jobs=pytestconfig.getoption("--gate-jobs") or os.cpu_count(),
+    )
+
+
+@pytest.fixture
+def record_row(
+    pytestconfig: pytest.Config,
+) -> Iterator[list[tuple[str, table.Row, list[table.CellResult]]]]:
+    """Collects (tree, row, cells) for the terminal summary."""
+    box: list[tuple[str, table.Row, list[table.CellResult]]] = []
+    yield box
+    store = pytestconfig.stash[RESULTS]
+    for label, row, cells in box:
+        store.setdefault(label, []).append((row, cells))
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    store = config.stash.get(RESULTS, {})
+    if not store:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("architecture gates: cells that differ from expectations.toml")
+    for label, results in store.items():
+        differing = [(row, [c for c in cells if not c.ok]) for row, cells in results]
+        differing = [(row, cells) for row, cells in differing if cells]
+        write(f"{label}: {len(results)} rows checked, {len(differing)} with differing cells")
+        for row, cells in differing:
+            tag = f" [patch {row.patch}]" if row.patch else ""
+            write(f"  {row.label}{tag}")
+            for cell in cells:
+                write(f"      {cell.describe()}")

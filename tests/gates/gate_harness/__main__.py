@@ -1,0 +1,105 @@
+"""Command line for looking at the matrix without pytest (run from the repo root).
+
+  python -m tests.gates.gate_harness run [--tree pristine|patched|DIR] [--arch A ...]
+        [--scenario S ...] [--jobs N] [--json OUT]
+      observe and print every scenario's fields per architecture
+  python -m tests.gates.gate_harness rows OBS.json SCENARIO:FIELD [...]
+      print [[row]] blocks holding the observed values (to paste into expectations.toml)
+
+Use the gate environment's python (the one with torch): see tests/gates/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import runner, spec, table, trees
+
+
+def _tree(value: str, scratch: Path) -> trees.Tree:
+    if value == trees.PRISTINE:
+        return trees.pristine_tree()
+    if value == trees.PATCHED:
+        return trees.build_patched_tree(scratch / "patched")
+    return trees.Tree("custom", Path(value).resolve(), trees.PATCHED)
+
+
+def _print_matrix(observations: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> None:
+    archs = list(observations)
+    scenarios = sorted({s for per_arch in observations.values() for s in per_arch})
+    for scenario in scenarios:
+        print(f"\n[{scenario}]")
+        fields = sorted(
+            {f for per_arch in observations.values() for f in per_arch.get(scenario, {})}
+        )
+        for field in fields:
+            cells = [
+                table.render(table.observed_cell(observations[a].get(scenario), field))
+                for a in archs
+            ]
+            print(
+                f"  {field}: " + " | ".join(f"{a}={c}" for a, c in zip(archs, cells, strict=True))
+            )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    archs = [a for a in spec.load_archs() if not args.arch or a.name in args.arch]
+    scenarios = [
+        s for s in spec.load_scenarios().values() if not args.scenario or s.name in args.scenario
+    ]
+    with tempfile.TemporaryDirectory(prefix="sm120-gates-") as tmp:
+        scratch = Path(tmp)
+        tree = _tree(args.tree, scratch)
+        started = time.monotonic()
+        runs = runner.run_matrices(
+            {tree.label: tree.path}, archs, scenarios, scratch=scratch, jobs=args.jobs
+        )
+        wall = time.monotonic() - started
+    matrix = runs[tree.label]
+    _print_matrix(matrix.observations)
+    print()
+    for arch, run in matrix.runs.items():
+        print(f"{arch}: {run.wall_s:.1f} s (import {run.meta.get('import_s')} s)")
+    print(f"matrix wall time: {wall:.1f} s with {args.jobs or 'all'} jobs")
+    if args.json:
+        args.json.write_text(json.dumps(matrix.observations, indent=1, sort_keys=True))
+    return 0
+
+
+def cmd_rows(args: argparse.Namespace) -> int:
+    observations = json.loads(args.observations.read_text())
+    archs = [a.name for a in spec.load_archs()]
+    for item in args.cells:
+        scenario, _, field = item.partition(":")
+        print(table.toml_row(scenario, field, observations, archs))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.gates.gate_harness")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="observe the matrix and print it")
+    run.add_argument("--tree", default=trees.PRISTINE, help="pristine, patched, or a directory")
+    run.add_argument("--arch", action="append", help="only this architecture (repeatable)")
+    run.add_argument("--scenario", action="append", help="only this scenario (repeatable)")
+    run.add_argument("--jobs", type=int, default=None, help="parallel interpreters")
+    run.add_argument("--json", type=Path, help="write the observations here")
+    run.set_defaults(func=cmd_run)
+    rows = sub.add_parser("rows", help="print [[row]] blocks from saved observations")
+    rows.add_argument("observations", type=Path)
+    rows.add_argument("cells", nargs="+", metavar="SCENARIO:FIELD")
+    rows.set_defaults(func=cmd_rows)
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
