@@ -45,6 +45,8 @@ def tests(session: nox.Session) -> None:
     session.install(*TEST_DEPS)
     session.run("pytest", "-q", f"--ignore={GATE_TESTS}", *session.posargs)
     _run_gate_tests(session, [])
+    # The same gate suite against the fork's wheel as a user installs it.
+    _run_gate_tests(session, ["--gate-tree", str(_installed_fork_wheel(session))])
 
 
 @nox.session(python=PYTHON)
@@ -116,6 +118,21 @@ def _gate_env(session: nox.Session) -> Path:
         session.run(str(python), "-m", "pip", "install", *requirements, external=True)
         stamp.write_text(wanted)
     return python
+
+
+def _installed_fork_wheel(session: nox.Session) -> Path:
+    """Build the fork's wheel and `pip install --target` it; the directory holding sglang/."""
+    work = Path("build") / "gate-wheel"
+    session.run("rm", "-rf", str(work), external=True)
+    session.run(*TOOL, "wheel", "--dist", str(work / "dist"))
+    (built,) = sorted((work / "dist").glob("sglang-*+sm120.*.whl"))
+    python = _gate_env(session)
+    site = work / "site"
+    session.run(
+        str(python), "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(built),
+        external=True,
+    )  # fmt: skip
+    return site
 
 
 def _run_gate_tests(session: nox.Session, args: list[str]) -> None:
