@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         "--repo",
         type=Path,
         default=Path.cwd(),
-        help="root of the fork's repository (default: current directory)",
+        help="root of the fork's repository; relative paths are taken from there (default: .)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
@@ -69,6 +70,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(_chosen_command(argv)).parse_args(argv)
     try:
+        # Like `git -C`: run from the repository, so relative paths given on the
+        # command line (--out, --dist, ...) mean paths inside it.
+        args.repo = args.repo.resolve()
+        if not args.repo.is_dir():
+            raise FatalError(f"-C {args.repo}: no such directory; give the fork's root")
+        os.chdir(args.repo)
         return int(_command_module(args.command).run(args))
     except FatalError as error:
         print(f"sm120fork {args.command}: error: {error.message}", file=sys.stderr)

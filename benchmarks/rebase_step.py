@@ -1,0 +1,159 @@
+"""Benchmark one real rebase step (the project's series, 0.5.9 -> 0.5.10) against doing
+the same by hand with `git am -3` on the same trees.
+
+    PYTHONPATH=scripts python benchmarks/rebase_step.py [--runs 3] [--to 0.5.10]
+
+Setup (not timed): sglang <to> is fetched once from the package index; a local git
+remote gets the vendored tree as tag v<from> and the new tree as tag v<to>; a
+temporary fork repo gets the project's vendor/, patches/ and CHANGELOG.md.
+
+Timed, each as fresh processes, best of --runs:
+- tool: `sm120fork rebase v<to> --upstream-git file://... --dry-run` (fetch from
+  the local remote, carry every patch, classify, refresh, report; a dry run goes
+  on past conflicts, so every patch is tried);
+- by hand: the steps a maintainer would script: a clone of the remote at
+  v<from>, `git am` of the series, `git format-patch` (git am -3 needs the blob
+  ids the normal form leaves out), checkout v<to>, `git am -3` of each patch
+  (`git am --skip` on a conflict), then `git format-patch` of what applied.
+The hand route neither classifies (clean/offset/merged/upstreamed), nor
+re-renders normal form, nor writes a report. Results go to
+benchmarks/rebase_results.md by hand. Not a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from sm120fork import gitcmd, lock  # noqa: E402
+from sm120fork.series import read_series  # noqa: E402
+from sm120fork.upstream import fetch_release  # noqa: E402
+
+IDENTITY = {
+    "GIT_AUTHOR_NAME": "bench",
+    "GIT_AUTHOR_EMAIL": "bench@example.com",
+    "GIT_COMMITTER_NAME": "bench",
+    "GIT_COMMITTER_EMAIL": "bench@example.com",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+}
+
+
+def git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    return gitcmd.run(args, cwd, check=check, env=IDENTITY)
+
+
+def commit_tree(repo: Path, tree: Path, message: str, tag: str) -> None:
+    for entry in repo.iterdir():
+        if entry.name != ".git":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    shutil.copytree(tree, repo, dirs_exist_ok=True)
+    git(repo, "add", "-A", "-f", ".")
+    git(repo, "commit", "-q", "-m", message)
+    git(repo, "tag", tag)
+
+
+def setup(scratch: Path, version: str) -> tuple[Path, Path, str]:
+    """(fork repo, upstream remote, pinned version)."""
+    pinned = lock.read(ROOT / "vendor/sglang.lock")
+    if pinned is None:
+        raise SystemExit("the project has no vendor/sglang.lock")
+    print(f"fetching sglang {version} from the package index (not timed)", file=sys.stderr)
+    release = fetch_release(version, workdir=scratch / "fetch")
+    remote = scratch / "upstream"
+    remote.mkdir()
+    git(remote, "init", "-q", ".")
+    commit_tree(remote, ROOT / "vendor/sglang", f"sglang {pinned.version}", f"v{pinned.version}")
+    commit_tree(remote, release.tree, f"sglang {release.version}", f"v{release.version}")
+    fork = scratch / "fork"
+    for part in ("vendor", "patches"):
+        shutil.copytree(ROOT / part, fork / part)
+    shutil.copy(ROOT / "CHANGELOG.md", fork / "CHANGELOG.md")
+    (fork / ".gitignore").write_text("/build/\n")
+    git(fork, "init", "-q", ".")
+    git(fork, "add", "-A", ".")
+    git(fork, "commit", "-q", "-m", "fork")
+    return fork, remote, pinned.version
+
+
+def by_tool(fork: Path, remote: Path, version: str) -> tuple[float, str]:
+    env = {**os.environ, **IDENTITY, "PYTHONPATH": str(ROOT / "scripts")}
+    command = [sys.executable, "-m", "sm120fork", "-C", str(fork), "rebase", f"v{version}"]
+    start = time.perf_counter()
+    result = subprocess.run(
+        [*command, "--upstream-git", remote.as_uri(), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    elapsed = time.perf_counter() - start
+    if result.returncode not in (0, 1):
+        raise SystemExit(result.stderr)
+    return elapsed, result.stdout.strip()
+
+
+def by_hand(scratch: Path, remote: Path, old: str, new: str) -> tuple[float, list[str]]:
+    work = scratch / "by-hand"
+    shutil.rmtree(work, ignore_errors=True)
+    names = read_series(ROOT / "patches/series").names
+    start = time.perf_counter()
+    git(scratch, "clone", "-q", "--no-checkout", remote.as_uri(), str(work))
+    git(work, "checkout", "-q", f"v{old}")
+    git(work, "am", "-q", *(str(ROOT / "patches" / name) for name in names))
+    mails = work / ".git" / "mails"
+    git(work, "format-patch", "-q", "-o", str(mails), f"v{old}..HEAD")
+    git(work, "checkout", "-q", f"v{new}")
+    failed = []
+    for mail, name in zip(sorted(mails.iterdir()), names, strict=True):
+        if git(work, "am", "-q", "-3", str(mail), check=False).returncode != 0:
+            git(work, "am", "--skip")
+            failed.append(name)
+    git(work, "format-patch", "-q", "-o", str(work / ".git" / "refreshed"), f"v{new}..HEAD")
+    return time.perf_counter() - start, failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--to", default="0.5.10")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="sm120-rebase-bench-") as tmp:
+        scratch = Path(tmp)
+        fork, remote, old = setup(scratch, args.to)
+        tool: list[float] = []
+        hand: list[float] = []
+        summary, failed = "", list[str]()
+        for _ in range(args.runs):
+            elapsed, summary = by_tool(fork, remote, args.to)
+            tool.append(elapsed)
+            elapsed, failed = by_hand(scratch, remote, old, args.to)
+            hand.append(elapsed)
+        print(
+            f"# {platform.node()}: {os.cpu_count()} CPUs, python {platform.python_version()}, "
+            f"{len(read_series(ROOT / 'patches/series').names)} patches, {old} -> {args.to}, "
+            f"best of {args.runs}"
+        )
+        print("| route | wall s (best) | all runs s |")
+        print("|---|---|---|")
+        print(
+            f"| tool `rebase --dry-run` | {min(tool):.2f} | {', '.join(f'{t:.2f}' for t in tool)} |"
+        )
+        print(f"| by hand `git am -3` | {min(hand):.2f} | {', '.join(f'{t:.2f}' for t in hand)} |")
+        print(f"\nratio tool / by hand: {min(tool) / min(hand):.2f}")
+        print(f"tool: {summary}")
+        print(f"git am -3 failed on: {', '.join(failed) or 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

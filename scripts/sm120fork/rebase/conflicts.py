@@ -1,0 +1,144 @@
+"""What a stopped 3-way merge left in the work tree, for the report and --continue.
+
+Git writes conflicts in diff3 style (the work repository sets it):
+
+    <<<<<<< HEAD            ours: the new upstream, with the patches carried before
+    ...
+    ||||||| parent of ...   base: the old upstream the patch was made against
+    ...
+    =======
+    ...                     theirs: the patch
+    >>>>>>> ...
+
+Each block becomes a `Conflict` whose line is the block's place in the
+pristine new upstream file, the numbers a person finds in upstream's tree.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+from sm120fork.gates.semantics import TOKENS
+from sm120fork.lines import split_lines
+from sm120fork.patchfile import PatchFile
+from sm120fork.rebase.state import Conflict
+from sm120fork.rebase.workrepo import WorkRepo
+
+_MARKERS = ("<<<<<<< ", "||||||| ", ">>>>>>> ")
+_SEPARATOR = "======="
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
+
+
+def describe(repo: WorkRepo, tip: str, upstream: str, patch: PatchFile) -> tuple[Conflict, ...]:
+    """Every conflict of the stopped merge; `tip` is ours, `upstream` the pristine release."""
+    found: list[Conflict] = []
+    for path, stages in sorted(repo.unmerged().items()):
+        worktree = repo.root / path
+        text = worktree.read_text("utf-8", "replace") if worktree.is_file() else ""
+        blocks = list(_blocks(split_lines(text)))
+        if not blocks:
+            found.append(_whole_file(path, stages, repo.read(tip, path) or "", patch))
+            continue
+        to_upstream = _to_upstream(repo, tip, upstream, path)
+        for ours_line, ours, base, theirs in blocks:
+            found.append(
+                Conflict(
+                    file=path,
+                    line=to_upstream(ours_line),
+                    gate=is_gate_text(ours, base, theirs),
+                    ours=ours,
+                    theirs=theirs,
+                    base=base,
+                )
+            )
+    return tuple(found)
+
+
+def _blocks(lines: list[str]) -> Iterable[tuple[int, str, str, str]]:
+    """(line in ours where the block starts, ours, base, theirs) for each marker block."""
+    ours_line = 0  # lines of the ours side seen so far
+    i = 0
+    while i < len(lines):
+        if not lines[i].startswith("<<<<<<< "):
+            ours_line += 1
+            i += 1
+            continue
+        sides: dict[str, list[str]] = {"ours": [], "base": [], "theirs": []}
+        side = "ours"
+        i += 1
+        while i < len(lines) and not lines[i].startswith(">>>>>>> "):
+            line = lines[i]
+            if line.startswith("||||||| "):
+                side = "base"
+            elif line.rstrip("\n") == _SEPARATOR:
+                side = "theirs"
+            else:
+                sides[side].append(line)
+            i += 1
+        yield (
+            ours_line + 1,
+            "".join(sides["ours"]),
+            "".join(sides["base"]),
+            "".join(sides["theirs"]),
+        )
+        ours_line += len(sides["ours"])
+        i += 1
+
+
+def _to_upstream(repo: WorkRepo, tip: str, upstream: str, path: str) -> Callable[[int], int]:
+    """Line numbers of ours (upstream with the patches before this one) -> lines of the
+    pristine upstream file, through the hunks of `git diff -U0 upstream tip`."""
+    if repo.read(upstream, path) is None:  # an earlier patch created it: ours is all there is
+        return lambda line: line
+    diff = repo.out("diff", "-U0", "--no-renames", "--no-color", upstream, tip, "--", path)
+    hunks = [
+        tuple(int(n) if n is not None else 1 for n in match.groups())
+        for match in _HUNK.finditer(diff)
+    ]
+
+    def mapped(line: int) -> int:
+        shift = 0
+        for old, old_count, new, new_count in hunks:
+            new_last = new + new_count - 1 if new_count else new
+            if line <= new_last:
+                if new_count and line >= new:  # a line an earlier patch wrote
+                    return old if old_count else old + 1
+                break
+            shift = (old + old_count - 1 if old_count else old) - new_last
+        return line + shift
+
+    return mapped
+
+
+def _whole_file(path: str, stages: set[int], ours: str, patch: PatchFile) -> Conflict:
+    """A conflict without markers: one side deleted or renamed the file."""
+    hunks = next((f for f in patch.files if f.path == path), None)
+    theirs = (
+        "".join(f"{line.tag}{line.text}" for hunk in hunks.hunks for line in hunk.lines)
+        if hunks
+        else ("(the patch deletes this file)" if 3 not in stages else "")
+    )
+    if 2 not in stages:
+        ours = ""  # upstream deleted (or moved) the file the patch changes
+    return Conflict(file=path, line=0, gate=is_gate_text(ours, theirs), ours=ours, theirs=theirs)
+
+
+def is_gate_text(*texts: str) -> bool:
+    """Does the text test the GPU architecture (the gate scanner's own pre-filter)?"""
+    data = "".join(texts).encode("utf-8")
+    return any(token in data for token in TOKENS)
+
+
+def remaining_markers(repo: WorkRepo, paths: Iterable[str]) -> list[str]:
+    """`path:line` of every conflict marker left in `paths` of the work tree."""
+    left: list[str] = []
+    for path in paths:
+        file = repo.root / path
+        if not file.is_file():
+            continue
+        text = file.read_text("utf-8", "replace")
+        for lineno, line in enumerate(split_lines(text), start=1):
+            if line.startswith(_MARKERS):  # a lone ======= may be an RST underline
+                left.append(f"{path}:{lineno}")
+    return left

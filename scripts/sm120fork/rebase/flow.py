@@ -1,0 +1,126 @@
+"""The rebase from start to landing, and --continue / --abort.
+
+Phases, each persisted before the next begins (state.py), so --continue
+picks up after a crash wherever it happened:
+
+    fetch     download every target release            phases.fetch
+    prepare   the work repository: old base + patches  phases.prepare
+    carry     each patch onto each target in turn      phases.carry_all
+    conflict  stopped: a person edits the work tree, then --continue (phases.resolved)
+    finalize  stage, swap (journal), clean up, report  landing.land
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from sm120fork.errors import EXIT_FINDINGS, EXIT_OK, FatalError
+from sm120fork.paths import RepoPaths
+from sm120fork.rebase import finalize, gatefindings, phases, preconditions, report, targets
+from sm120fork.rebase.landing import land
+from sm120fork.rebase.run import Run, say
+from sm120fork.rebase.state import MemoryStore, PatchState, RebaseState, StateDir, Target
+from sm120fork.stack import load_stack
+
+
+def start(paths: RepoPaths, spec: str, *, git_url: str | None, step: bool, dry_run: bool) -> int:
+    state_dir = StateDir.of(paths.root)
+    with state_dir.running():
+        pinned = preconditions.check_start(paths, state_dir, dry_run=dry_run)
+        stack = load_stack(paths)
+        with tempfile.TemporaryDirectory(prefix="sm120fork-rebase-") as scratch:
+            versions = targets.plan(
+                spec, pinned.version, git_url=git_url, step=step, scratch=Path(scratch)
+            )
+            state = RebaseState(
+                from_version=pinned.version,
+                git_url=git_url,
+                step_mode=step,
+                phase="fetch",
+                fingerprint=preconditions.fingerprint(paths),
+                targets=tuple(Target(version) for version in versions),
+                patches=tuple(
+                    PatchState(p.name, p.strip, text=p.raw.decode("utf-8")) for p in stack.patches
+                ),
+            )
+            if dry_run:
+                return _drive(Run(paths, Path(scratch), MemoryStore(), dry_run=True), state)
+        area = paths.build_dir / "rebase"
+        shutil.rmtree(area, ignore_errors=True)
+        state_dir.create(state)
+        return _drive(Run(paths, area, state_dir), state)
+
+
+def resume(paths: RepoPaths) -> int:
+    state_dir = StateDir.of(paths.root)
+    with state_dir.running():
+        state = state_dir.load()
+        run = Run(paths, paths.build_dir / "rebase", state_dir)
+        if state.phase != "finalize":
+            preconditions.check_resume(paths, state.fingerprint)
+        if state.phase == "conflict":
+            state = phases.resolved(run, state)
+        return _drive(run, state)
+
+
+def abort(paths: RepoPaths) -> int:
+    state_dir = StateDir.of(paths.root)
+    with state_dir.running():
+        if not state_dir.exists():
+            raise FatalError("no rebase in progress; nothing to abort")
+        state = state_dir.load() if state_dir.state_file.exists() else None
+        run = Run(paths, paths.build_dir / "rebase", state_dir)
+        if state is not None and state.journal is not None:
+            if state.journal.step == "swapped":
+                land(run, state)
+                raise FatalError(
+                    "the rebase had already landed when it stopped, so it is now complete; "
+                    "undo it with git (`git checkout -- vendor patches CHANGELOG.md`)"
+                )
+            finalize.undo(paths.root, state.journal)
+        shutil.rmtree(run.area, ignore_errors=True)
+        state_dir.remove()
+    say("aborted: vendor/, patches/ and CHANGELOG.md are as they were before the rebase")
+    return EXIT_OK
+
+
+def _drive(run: Run, state: RebaseState) -> int:
+    if state.phase == "fetch":
+        state = phases.fetch(run, state)
+    if state.phase == "prepare":
+        state = phases.prepare(run, state)
+    if state.phase == "carry":
+        state = phases.carry_all(run, state)
+    if state.phase == "conflict":
+        return _stopped(run, state)
+    if run.dry_run:
+        return _predicted(run, state)
+    return land(run, state)
+
+
+def _predicted(run: Run, state: RebaseState) -> int:
+    """The end of a dry run: the report, and exit 1 if a patch would stop the rebase."""
+    _, md = report.write(run.reports, report.build(state, "dry-run", run.gates(state), None))
+    stoppers = [patch for patch in state.patches if patch.status == "conflict"]
+    for patch in stoppers:
+        for conflict in patch.conflicts:
+            say(f"{patch.name} would conflict at {conflict.file}:{conflict.line}")
+    outcome = f"{len(stoppers)} patches would conflict" if stoppers else "no patch conflicts"
+    print(f"dry run onto sglang {state.final.version}: {outcome}; report {md}")
+    return EXIT_FINDINGS if stoppers else EXIT_OK
+
+
+def _stopped(run: Run, state: RebaseState) -> int:
+    patch = state.patches[state.patch_index]
+    work = run.work.relative_to(run.paths.root)
+    built = report.build(state, "conflict", gatefindings.empty(), str(work))
+    _, md = report.write(run.reports, built)
+    for conflict in patch.conflicts:
+        say(f"conflict: {conflict.file}:{conflict.line} (line of sglang {state.target.version})")
+    say(
+        f"stopped at {patch.name}: edit the conflict markers in {work}, "
+        f"then run `rebase --continue` (or `--abort`); report {md}"
+    )
+    return EXIT_FINDINGS

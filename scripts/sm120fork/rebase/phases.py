@@ -1,0 +1,133 @@
+"""The phases before landing: fetch, prepare, carry, and finishing a resolved conflict.
+
+Each phase saves the state before the next begins, so --continue picks up
+after a crash wherever it happened (fetch is redone whole; carry resumes at
+the next patch, after putting the work tree back to the recorded tip).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sm120fork import lock
+from sm120fork.errors import EXIT_FINDINGS, FatalError
+from sm120fork.intent.model import load_intents
+from sm120fork.normalform import DiffRenderer
+from sm120fork.patchfile import parse_patch
+from sm120fork.rebase import ledger, targets
+from sm120fork.rebase.carry import apply_to_worktree, carry, finish
+from sm120fork.rebase.conflicts import remaining_markers
+from sm120fork.rebase.run import Run, say
+from sm120fork.rebase.state import RebaseState, crash_point
+from sm120fork.rebase.workrepo import WorkRepo
+
+
+def fetch(run: Run, state: RebaseState) -> RebaseState:
+    """Download every target release not downloaded yet."""
+    locked = lock.read(run.paths.lock_file)
+    source = "git" if state.git_url else "the package index"
+    for index, target in enumerate(state.targets):
+        if not target.lock_text:
+            say(f"fetching sglang {target.version} from {source}")
+            text = targets.fetch(
+                target.version,
+                git_url=state.git_url,
+                workdir=run.release_dir(target.version),
+                locked=locked,
+                progress=say,
+            )
+            state = run.save(state.with_target(index, replace(target, lock_text=text)))
+    state = run.save(replace(state, phase="prepare"))
+    crash_point("after-fetch")
+    return state
+
+
+def prepare(run: Run, state: RebaseState) -> RebaseState:
+    """The work repository: the pinned release, then one commit per patch."""
+    say(f"committing sglang {state.from_version} and the series in a work repository")
+    repo = WorkRepo.create(run.work)
+    base = repo.commit_dir(run.paths.upstream_tree, None, f"sglang {state.from_version}")
+    repo.checkout(base)
+    patches = []
+    for patch in state.patches:
+        parsed = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
+        commit = None
+        if apply_to_worktree(repo, parsed, allow_offset=False) is not None:
+            commit = repo.commit_worktree(patch.name)
+        if commit is None:
+            raise FatalError(f"{patch.name} no longer applies to vendor/sglang; run `check`")
+        patches.append(replace(patch, commit=commit))
+    state = run.save(replace(state, phase="carry", old_base=base, patches=tuple(patches)))
+    crash_point("after-prepare")
+    return state
+
+
+def carry_all(run: Run, state: RebaseState) -> RebaseState:
+    """Carry the series onto each target in turn; stop at a conflict (not in a dry run)."""
+    repo = WorkRepo(run.work)
+    with DiffRenderer() as renderer:
+        while state.release_index < len(state.targets):
+            state = _carry_release(run, repo, renderer, state)
+            if state.phase == "conflict":
+                return state
+    return run.save(replace(state, phase="finalize"))
+
+
+def _carry_release(
+    run: Run, repo: WorkRepo, renderer: DiffRenderer, state: RebaseState
+) -> RebaseState:
+    index = state.release_index
+    if not state.tip:
+        target = state.target
+        parent = state.targets[index - 1].base_commit if index else state.old_base
+        base = repo.commit_dir(run.tree(target.version), parent, f"sglang {target.version}")
+        state = state.with_target(index, replace(target, base_commit=base))
+        state = run.save(replace(state, tip=base, patch_index=0))
+    repo.checkout(state.tip)  # also whatever a crash left in the work tree
+    where = f"[{state.target.version}] " if state.step_mode else ""
+    intents = load_intents(run.paths.patches_dir / "intents.toml")
+    total = len(state.patches)
+    for number in range(state.patch_index, total):
+        patch = state.patches[number]
+        if patch.status in ("upstreamed", "conflict"):
+            continue  # dropped at an earlier release, or a dry run went past its conflict
+        outcome = carry(repo, patch, state.tip, state.target, renderer, intents.get(patch.name))
+        crash_point("mid-carry")
+        state = ledger.record(state, number, outcome)
+        say(f"{where}carrying patch {number + 1}/{total} {patch.name}: {outcome.status}")
+        if outcome.status == "conflict" and run.dry_run:
+            repo.checkout(state.tip)  # predict the later patches without this one
+        elif outcome.status == "conflict":
+            return run.save(replace(state, phase="conflict", patch_index=number))
+        state = run.save(replace(state, patch_index=number + 1, tip=outcome.commit or state.tip))
+        crash_point(f"after-patch-{number + 1}")
+    return run.save(replace(state, release_index=index + 1, patch_index=0, tip=""))
+
+
+def resolved(run: Run, state: RebaseState) -> RebaseState:
+    """Finish the conflicted patch with the person's edits of the work tree."""
+    if not (run.work / ".git").is_dir():
+        raise FatalError(f"the work tree {run.work} is gone; run `rebase --abort` and start again")
+    repo = WorkRepo(run.work)
+    if repo.out("rev-parse", "HEAD") != state.tip:  # a crash after committing the resolution
+        repo.git("reset", "-q", "--soft", state.tip)
+    patch = state.patches[state.patch_index]
+    edited = sorted({c.file for c in patch.conflicts} | set(repo.dirty_paths()))
+    left = remaining_markers(repo, edited)
+    if left:
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        raise FatalError(
+            f"conflict markers remain at {', '.join(left[:3])}{more} in {run.work}; "
+            "edit them out, then run `rebase --continue`",
+            EXIT_FINDINGS,
+        )
+    parsed = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
+    with DiffRenderer() as renderer:
+        outcome = finish(repo, parsed, state.tip, renderer, "merged", ledger.HAND)
+    if outcome.status == "upstreamed":
+        outcome = replace(outcome, detail="the conflict was resolved by hand to no change; dropped")
+    crash_point("resolved")
+    state = ledger.record(state, state.patch_index, outcome)
+    say(f"{patch.name}: {outcome.status} ({outcome.detail})")
+    tip = outcome.commit or state.tip
+    return run.save(replace(state, phase="carry", patch_index=state.patch_index + 1, tip=tip))

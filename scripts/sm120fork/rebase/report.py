@@ -1,0 +1,136 @@
+"""build/rebase/report.json (DESIGN.md "The rebase report") and report.md (a PR description)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any, Literal
+
+from sm120fork.fsutil import atomic_write_many
+from sm120fork.rebase import gatefindings
+from sm120fork.rebase.gatefindings import KINDS
+from sm120fork.rebase.ledger import first_break, shown
+from sm120fork.rebase.state import RebaseState
+
+Result = Literal["complete", "conflict", "dry-run"]
+_DRY_RUN_NOTE = [
+    "A dry run goes on past a conflict: the patches after one were carried without it.",
+    "",
+]
+
+
+def build(
+    state: RebaseState, result: Result, gates: dict[str, list[Any]], work_tree: str | None
+) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "from": state.from_version,
+        "to": state.final.version,
+        "source": "git" if state.git_url else "pypi",
+        "result": result,
+        "patches": [_patch(state, index) for index in range(len(state.patches))],
+        "gates": {kind: gates.get(kind, []) for kind in KINDS},
+    }
+    if state.step_mode:
+        report["releases"] = [target.version for target in state.targets]
+    if result == "conflict" and work_tree:
+        report["work_tree"] = work_tree
+    return report
+
+
+def _patch(state: RebaseState, index: int) -> dict[str, Any]:
+    patch = state.patches[index]
+    status, detail = shown(state, index)
+    entry: dict[str, Any] = {
+        "name": patch.name,
+        "status": status,
+        "detail": detail,
+        "conflicts": [
+            dataclasses.asdict(c)  # file, line, gate, ours, theirs, and base
+            for c in (patch.conflicts if status in ("conflict", "resolved") else ())
+        ],
+    }
+    if state.step_mode:
+        found = first_break(patch.steps)
+        if status == "conflict" and found is None:
+            found = (state.target.version, "")
+        entry["first_break"] = found[0] if found else None
+        entry["steps"] = [{"version": s.version, "status": s.status} for s in patch.steps]
+    return entry
+
+
+def write(directory: Path, report: dict[str, Any]) -> tuple[Path, Path]:
+    json_path, md_path = directory / "report.json", directory / "report.md"
+    atomic_write_many(
+        {
+            json_path: (json.dumps(report, indent=2) + "\n").encode("utf-8"),
+            md_path: markdown(report).encode("utf-8"),
+        }
+    )
+    return json_path, md_path
+
+
+def markdown(report: dict[str, Any]) -> str:
+    counts = Counter(p["status"] for p in report["patches"])
+    tally = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no patches"
+    outcome = {
+        "complete": "complete",
+        "conflict": "stopped on a conflict",
+        "dry-run": "dry run, nothing written",
+    }[report["result"]]
+    lines = [
+        f"# Rebase the sm120 series onto sglang {report['to']}",
+        "",
+        f"From sglang {report['from']} to {report['to']} ({report['source']}): "
+        f"**{outcome}**; {tally}.",
+        "",
+        *(_DRY_RUN_NOTE if report["result"] == "dry-run" and counts["conflict"] else []),
+        "| patch | status | what happened |",
+        "|---|---|---|",
+        *(f"| `{p['name']}` | {p['status']} | {_cell(p['detail'])} |" for p in report["patches"]),
+    ]
+    conflicted = [p for p in report["patches"] if p["conflicts"]]
+    if conflicted:
+        lines += ["", "## Conflicts", ""]
+        if report.get("work_tree"):
+            lines += [
+                f"The work tree with conflict markers is `{report['work_tree']}`: edit the "
+                "files there, then run `nox -s rebase -- --continue` (or `--abort`).",
+                "",
+            ]
+        for patch in conflicted:
+            fate = " (resolved by its intent)" if patch["status"] == "resolved" else ""
+            for c in patch["conflicts"]:
+                gate = " (architecture gate)" if c["gate"] else ""
+                title = f"`{patch['name']}`{fate}: `{c['file']}` line {c['line']}{gate}"
+                lines += [f"### {title}", ""]
+                lines += ["Upstream (ours):", "", *_fenced(c["ours"]), ""]
+                lines += ["The patch (theirs):", "", *_fenced(c["theirs"]), ""]
+                if c.get("base"):
+                    lines += ["Before both, in the old upstream:", "", *_fenced(c["base"]), ""]
+    lines += ["", "## Gates", ""]
+    if report["result"] == "conflict":
+        return "\n".join([*lines, "Compared when the rebase completes.", ""])
+    gates = report["gates"]
+    lines += [gatefindings.summary(gates).capitalize() + ".", ""]
+    for line in gatefindings.sm12x_changes(gates):
+        lines.append(f"- SM12x answer changed: {line}")
+    for kind in KINDS:
+        found = gates.get(kind, [])
+        if found:
+            lines += ["", f"<details><summary>{kind} ({len(found)})</summary>", ""]
+            lines += [f"- {gatefindings.describe_gate(gate)}" for gate in found]
+            lines += ["", "</details>"]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _fenced(text: str) -> list[str]:
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}python", *text.rstrip("\n").split("\n"), fence]

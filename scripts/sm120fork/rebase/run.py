@@ -1,0 +1,54 @@
+"""What every phase of a rebase works with: where things are, how state is kept, progress."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sm120fork.paths import RepoPaths
+from sm120fork.rebase import gatefindings, targets
+from sm120fork.rebase.state import RebaseState, Store
+
+
+def say(message: str) -> None:
+    """Progress, on stderr."""
+    print(f"sm120fork rebase: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Run:
+    paths: RepoPaths
+    area: Path  # build/rebase, or a temporary directory for --dry-run
+    store: Store
+    dry_run: bool = False
+
+    @property
+    def work(self) -> Path:
+        """The work repository (its work tree is where a person resolves conflicts)."""
+        return self.area / "work"
+
+    def release_dir(self, version: str) -> Path:
+        return self.area / "upstream" / version
+
+    def tree(self, version: str) -> Path:
+        return targets.tree(self.release_dir(version))
+
+    @property
+    def reports(self) -> Path:
+        return self.paths.build_dir / "rebase"
+
+    def save(self, state: RebaseState) -> RebaseState:
+        self.store.save(state)
+        return state
+
+    def gates(self, state: RebaseState) -> dict[str, list[Any]]:
+        """The report's gates section: the pinned release against the final target."""
+        if state.gates is not None:
+            return state.gates
+        say("comparing the architecture gates of the two releases")
+        policy = self.paths.patches_dir / "gates.toml"
+        return gatefindings.findings(
+            policy, self.paths.upstream_tree, self.tree(state.final.version)
+        )

@@ -1,0 +1,241 @@
+"""The rebase's persisted state: everything --continue and --abort need after a crash.
+
+It lives in the fork's git directory, `<git dir>/sm120fork-rebase/state.json`:
+that survives `git clean -fdx`, is invisible to `git status`, and its
+existence is what "a rebase is in progress" means. Every change is written
+to a temporary file and renamed over the old one, so a kill -9 at any point
+leaves either the previous or the next state, never half of one. The
+directory is created by renaming a fully written temporary directory into
+place, so creating it is also the test-and-set that refuses a second rebase.
+
+`<git dir>/sm120fork-rebase.lock` is `flock`ed by every running rebase
+command (start, --continue, --abort, --dry-run), so two processes never work
+at once; the kernel drops the lock when a process dies.
+
+Tests simulate a crash with `SM120FORK_REBASE_CRASH_AT=<point>`: the process
+ends with `os._exit(137)` (as kill -9 would) when it reaches `crash_point(point)`.
+The points (flow.py): after-fetch, after-prepare, mid-carry (a patch carried in
+the work repository, not yet recorded), after-patch-<n>, resolved (a
+resolution committed, not yet recorded), mid-stage, after-stage, mid-swap
+(one target swapped), after-swap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from sm120fork import gitcmd
+from sm120fork.errors import FatalError
+from sm120fork.fsutil import atomic_write
+
+CRASH_ENV = "SM120FORK_REBASE_CRASH_AT"
+FORMAT = 1
+
+Status = Literal["clean", "offset", "merged", "resolved", "upstreamed", "conflict", "pending"]
+Phase = Literal["fetch", "prepare", "carry", "conflict", "finalize"]
+
+
+def crash_point(name: str) -> None:
+    """Test hook: die like kill -9 when $SM120FORK_REBASE_CRASH_AT names this point."""
+    if os.environ.get(CRASH_ENV) == name:
+        os._exit(137)
+
+
+@dataclass(frozen=True)
+class Conflict:
+    file: str
+    line: int  # in the new upstream file; 0 when the whole file conflicts
+    gate: bool
+    ours: str  # new upstream (with the patches carried before this one)
+    theirs: str  # the patch
+    base: str = ""  # the old upstream
+
+
+@dataclass(frozen=True)
+class StepResult:
+    version: str
+    status: Status
+    by_hand: bool = False  # a conflict a person resolved
+
+
+@dataclass(frozen=True)
+class PatchState:
+    name: str
+    strip: int
+    status: Status = "pending"
+    detail: str = ""
+    text: str = ""  # normal form against the last release carried to
+    commit: str = ""  # the patch's commit in the work repository at that release
+    steps: tuple[StepResult, ...] = ()
+    conflicts: tuple[Conflict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """A release the series is carried to (several with --step, oldest first)."""
+
+    version: str
+    lock_text: str = ""  # its vendor/sglang.lock; empty until fetched
+    base_commit: str = ""  # its tree's commit in the work repository; empty until made
+
+
+@dataclass(frozen=True)
+class Journal:
+    """Progress of the final swap (see finalize.py)."""
+
+    step: Literal["staging", "staged", "swapped"]
+    items: tuple[tuple[str, bool], ...]  # (target relative to the root, existed before)
+
+
+@dataclass(frozen=True)
+class RebaseState:
+    from_version: str
+    git_url: str | None
+    step_mode: bool
+    phase: Phase
+    targets: tuple[Target, ...]
+    patches: tuple[PatchState, ...]
+    old_base: str = ""
+    release_index: int = 0  # the target being carried to
+    patch_index: int = 0  # the next patch to carry to it
+    tip: str = ""  # work-repo commit: target tree + patches carried so far; "" before it exists
+    journal: Journal | None = None
+    fingerprint: str = ""  # what the rebase lands, as committed when it started
+    gates: dict[str, list[Any]] | None = None  # the report's gates section, once computed
+    format: int = FORMAT
+
+    @property
+    def target(self) -> Target:
+        return self.targets[min(self.release_index, len(self.targets) - 1)]
+
+    @property
+    def final(self) -> Target:
+        return self.targets[-1]
+
+    def with_patch(self, index: int, patch: PatchState) -> RebaseState:
+        patches = list(self.patches)
+        patches[index] = patch
+        return replace(self, patches=tuple(patches))
+
+    def with_target(self, index: int, target: Target) -> RebaseState:
+        targets = list(self.targets)
+        targets[index] = target
+        return replace(self, targets=tuple(targets))
+
+
+def dumps(state: RebaseState) -> str:
+    return json.dumps(dataclasses.asdict(state), indent=1, sort_keys=True) + "\n"
+
+
+def loads(text: str) -> RebaseState:
+    data: dict[str, Any] = json.loads(text)
+    if data.get("format") != FORMAT:
+        raise FatalError("the rebase state was written by another version of the tool; --abort")
+    journal = data.pop("journal")
+    return RebaseState(
+        **{k: v for k, v in data.items() if k not in ("targets", "patches")},
+        targets=tuple(Target(**t) for t in data["targets"]),
+        patches=tuple(_patch(p) for p in data["patches"]),
+        journal=None
+        if journal is None
+        else Journal(journal["step"], tuple((t, bool(e)) for t, e in journal["items"])),
+    )
+
+
+def _patch(data: dict[str, Any]) -> PatchState:
+    return PatchState(
+        **{k: v for k, v in data.items() if k not in ("steps", "conflicts")},
+        steps=tuple(StepResult(**s) for s in data["steps"]),
+        conflicts=tuple(Conflict(**c) for c in data["conflicts"]),
+    )
+
+
+class Store(Protocol):
+    def save(self, state: RebaseState) -> None: ...
+
+    def remove(self) -> None: ...
+
+
+class MemoryStore:
+    """For --dry-run: keeps nothing."""
+
+    def save(self, state: RebaseState) -> None:
+        del state
+
+    def remove(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class StateDir:
+    """`<git dir>/sm120fork-rebase/`: the persisted state of a rebase in progress."""
+
+    git_dir: Path
+
+    @classmethod
+    def of(cls, root: Path) -> StateDir:
+        result = gitcmd.run(["rev-parse", "--absolute-git-dir"], root, check=False)
+        if result.returncode != 0:
+            raise FatalError(f"{root} is not a git repository; rebase needs the fork's checkout")
+        return cls(Path(result.stdout.decode().strip()))
+
+    @property
+    def path(self) -> Path:
+        return self.git_dir / "sm120fork-rebase"
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / "state.json"
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def create(self, state: RebaseState) -> None:
+        """Write the first state; refuse if a rebase is already in progress."""
+        staging = Path(tempfile.mkdtemp(prefix=".sm120fork-rebase.", dir=self.git_dir))
+        (staging / "state.json").write_text(dumps(state), encoding="utf-8")
+        try:
+            staging.rename(self.path)
+        except OSError as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise FatalError(
+                "a rebase is already in progress; finish it with --continue or drop it with --abort"
+            ) from error
+
+    def load(self) -> RebaseState:
+        try:
+            return loads(self.state_file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise FatalError("no rebase in progress; start one with `rebase VERSION`") from None
+
+    def save(self, state: RebaseState) -> None:
+        atomic_write(self.state_file, dumps(state).encode("utf-8"))
+
+    def remove(self) -> None:
+        # Rename first: a crash while deleting leaves no half state behind.
+        if self.path.exists():
+            trash = Path(tempfile.mkdtemp(prefix=".sm120fork-rebase-old.", dir=self.git_dir))
+            self.path.rename(trash / "state")
+            shutil.rmtree(trash)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Hold the lock that keeps a second rebase process out while this one works."""
+        with open(self.git_dir / "sm120fork-rebase.lock", "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise FatalError(
+                    "another `sm120fork rebase` is running in this repository; wait for it"
+                ) from None
+            yield

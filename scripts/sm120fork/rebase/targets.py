@@ -1,0 +1,51 @@
+"""Which releases to carry the series to, and fetching them (through `upstream`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from packaging.version import Version
+
+from sm120fork import lock
+from sm120fork.errors import FatalError
+from sm120fork.upstream import Progress, available_versions, fetch_release, where
+from sm120fork.upstream_versions import releases, resolve_version
+
+
+def plan(spec: str, pinned: str, *, git_url: str | None, step: bool, scratch: Path) -> list[str]:
+    """The releases to carry to, oldest first: the target, or with `step` every
+    release after `pinned` up to it. Unknown or older targets are refused."""
+    available = available_versions(git_url, workdir=scratch)
+    target = resolve_version(spec, available, where(git_url))
+    if Version(target) <= Version(pinned):
+        raise FatalError(
+            f"sglang {target} is not newer than the pinned {pinned}; name a later release"
+        )
+    if not step:
+        return [target]
+    return [text for v, text in releases(available) if Version(pinned) < v <= Version(target)]
+
+
+def tree(workdir: Path) -> Path:
+    """Where `fetch` lays out a release (upstream.fetch_release's convention)."""
+    return workdir / "tree"
+
+
+def fetch(
+    version: str,
+    *,
+    git_url: str | None,
+    workdir: Path,
+    locked: lock.Lock | None,
+    progress: Progress,
+) -> str:
+    """Download `version` into `workdir` (replacing it) and return its lock's text."""
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    release = fetch_release(
+        version, git_url=git_url, workdir=workdir, progress=progress, locked=locked
+    )
+    if release.tree != tree(workdir):  # pragma: no cover - a changed convention is a bug
+        raise AssertionError(f"fetch_release wrote {release.tree}, expected {tree(workdir)}")
+    return lock.dumps(release.lock(lock.today()))

@@ -1,0 +1,98 @@
+"""A gate conflict that the patch's declared intent re-applies: status `resolved`."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from forkrepo import edit
+from rebasefork import SA, RebaseFork, make_rebase_fork
+from sm120fork import gitcmd
+from sm120fork.cli import main
+from sm120fork.intent.model import Intent, Switch
+from sm120fork.intent.reapply import reapply
+
+ORIGINAL = textwrap.dedent("""\
+    from sglang.srt.utils import (
+        is_hip,
+        is_sm100_supported,
+    )
+
+
+    class ServerArgs:
+        def _handle_model_specific_adjustments(self, model_arch):
+            if model_arch in ["Glm4MoeForCausalLM"]:
+                if is_sm100_supported():
+                    self.quantization = "modelopt_fp4"  # auto-detected
+                    self.moe_runner_backend = "flashinfer_trtllm"
+""")
+INTENT = Intent(
+    patch="0001-glm.patch",
+    says="Glm4Moe on SM12x: quant auto-detect and flashinfer_cutlass",
+    anchor="Glm4MoeForCausalLM",
+    gate_admits="sm100",
+    include="sm120",
+    switches=(Switch("flashinfer_trtllm", "flashinfer_cutlass"),),
+    files=(SA,),
+)
+INTENTS_TOML = f"""\
+[[intent]]
+patch = "{INTENT.patch}"
+says = "{INTENT.says}"
+anchor = "Glm4MoeForCausalLM"
+gate_admits = "sm100"
+include = "sm120"
+files = ["{SA}"]
+[[intent.switch]]
+old = "flashinfer_trtllm"
+new = "flashinfer_cutlass"
+"""
+# 0.5.10 reformats the gate the patch rewrites: the 3-way merge conflicts there.
+REFORMATTED = edit(
+    ORIGINAL,
+    "            if is_sm100_supported():",
+    "            if (\n                is_sm100_supported()\n            ):",
+)
+
+
+def fork_with_intent(request: pytest.FixtureRequest, after: str) -> RebaseFork:
+    patched = reapply(INTENT, {SA: ORIGINAL}.get, [SA]).changes[SA]
+    versions = {"v0.5.9": {SA: ORIGINAL}, "v0.5.10": {SA: after}}
+    fork = make_rebase_fork(request, versions, [(INTENT.patch, [(SA, ORIGINAL, patched)])])
+    (fork.root / "patches/intents.toml").write_text(INTENTS_TOML)
+    gitcmd.run(["add", "-A", "."], fork.root)
+    gitcmd.run(["commit", "-q", "-m", "declare the intent"], fork.root)
+    return fork
+
+
+def test_gate_conflict_resolved_by_intent(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fork = fork_with_intent(request, REFORMATTED)
+    result = fork.rebase("v0.5.10")
+    assert result.returncode == 0, result.stderr
+    [patch] = fork.report()["patches"]
+    assert patch["status"] == "resolved"
+    assert "re-applied intent in python/sglang/srt/server_args.py" in patch["detail"]
+    assert patch["conflicts"] and patch["conflicts"][0]["gate"] is True
+    landed = fork.read("patches/0001-glm.patch")
+    assert "+            ) or is_sm120_supported():\n" in landed
+    assert '("flashinfer_cutlass" if is_sm120_supported() else "flashinfer_trtllm")' in landed
+    assert "resolved by its intent" in fork.read("build/rebase/report.md")
+    # The recipe still reproduces the patch on the new base: the series checks clean.
+    assert main(["-C", str(fork.root), "check"]) == 0, capsys.readouterr().out
+
+
+def test_gate_that_upstream_opened_to_sm120_is_upstreamed(
+    request: pytest.FixtureRequest,
+) -> None:
+    opened = edit(ORIGINAL, "if is_sm100_supported():", "if is_blackwell_supported():")
+    fork = fork_with_intent(request, opened)
+    result = fork.rebase("v0.5.10")
+    assert result.returncode == 0, result.stderr
+    [patch] = fork.report()["patches"]
+    assert patch["status"] == "upstreamed"
+    assert "is_blackwell_supported()" in patch["detail"]
+    assert fork.read("patches/series") == ""
+    assert not (fork.root / "patches/0001-glm.patch").exists()
+    assert "[[intent]]" not in fork.read("patches/intents.toml")  # its recipe went too

@@ -1,0 +1,86 @@
+"""What `rebase` refuses before touching anything (exit 2), and --dry-run."""
+
+from __future__ import annotations
+
+import pytest
+from rebasefork import BASE, SA, UT, RebaseFork, edited, make_rebase_fork
+from sm120fork import gitcmd
+
+AFTER = edited(BASE, (SA, "x_25 = 25\n", "x_25 = 'upstream'\n"))
+SERIES = [
+    ("0001-util.patch", [(UT, "return False", "return None")]),
+    ("0002-conflict.patch", [(SA, "x_25 = 25\n", "x_25 = 'fork'\n")]),
+    ("0003-after.patch", [(SA, "x_60 = 60\n", "x_60 = 'fork'\n")]),
+]
+
+
+@pytest.fixture
+def fork(request: pytest.FixtureRequest) -> RebaseFork:
+    # The fork imports the first tag (0.5.9); 0.5.8 exists upstream too.
+    return make_rebase_fork(request, {"v0.5.9": BASE, "v0.5.8": BASE, "v0.5.10": AFTER}, SERIES)
+
+
+def refused(fork: RebaseFork, *args: str, via_git: bool = True) -> str:
+    before = fork.snapshot()
+    result = fork.rebase(*args) if via_git else fork.cli("rebase", *args)
+    assert result.returncode == 2, result.stderr
+    assert fork.snapshot() == before
+    assert not (fork.root / "build").exists()
+    assert not (fork.root / ".git/sm120fork-rebase").exists()
+    [line] = result.stderr.splitlines()
+    return line
+
+
+def test_dirty_tree(fork: RebaseFork) -> None:
+    (fork.root / "vendor/sglang" / UT).write_text("edited by hand\n")
+    assert "uncommitted changes (vendor/sglang/python/sglang/srt/utils.py)" in refused(
+        fork, "v0.5.10"
+    )
+
+
+def test_unknown_version(fork: RebaseFork) -> None:
+    line = refused(fork, "v0.5.99")
+    assert "sglang v0.5.99 is not a release at file://" in line
+    assert "nearest releases: 0.5.10, 0.5.9" in line
+
+
+def test_version_not_newer(fork: RebaseFork) -> None:
+    assert "0.5.8 is not newer than the pinned 0.5.9" in refused(fork, "0.5.8")
+    assert "0.5.9 is not newer than the pinned 0.5.9" in refused(fork, "0.5.9")
+
+
+def test_series_that_does_not_apply(fork: RebaseFork) -> None:
+    (fork.root / "patches/0001-util.patch").write_bytes(
+        (fork.root / "patches/0001-util.patch").read_bytes().replace(b"-    return", b"-  return")
+    )
+    gitcmd.run(["commit", "-q", "-a", "-m", "break the series"], fork.root)
+    assert "the series must apply exactly to vendor/sglang" in refused(fork, "v0.5.10")
+
+
+def test_continue_and_abort_without_a_rebase(fork: RebaseFork) -> None:
+    assert "no rebase in progress" in refused(fork, "--continue", via_git=False)
+    assert "no rebase in progress" in refused(fork, "--abort", via_git=False)
+    assert "take no version" in refused(fork, "--continue", "v0.5.10", via_git=False)
+    assert "name the release" in refused(fork, via_git=False)
+
+
+def test_dry_run_writes_only_the_report(fork: RebaseFork) -> None:
+    before = fork.snapshot()
+    result = fork.rebase("v0.5.x", "--dry-run")
+    assert result.returncode == 1, result.stderr  # it found the conflict
+    assert f"0002-conflict.patch would conflict at {SA}:25" in result.stderr
+    assert fork.snapshot() == before
+    assert fork.status() == ""
+    assert sorted(p.name for p in (fork.root / "build/rebase").iterdir()) == [
+        "report.json", "report.md"
+    ]  # fmt: skip
+    assert not (fork.root / ".git/sm120fork-rebase").exists()
+    report = fork.report()
+    assert (report["to"], report["result"]) == ("0.5.10", "dry-run")
+    assert fork.statuses() == {  # a dry run goes on past a conflict
+        "0001-util.patch": "clean",
+        "0002-conflict.patch": "conflict",
+        "0003-after.patch": "clean",
+    }
+    assert report["patches"][1]["conflicts"][0]["line"] == 25
+    assert "work_tree" not in report
