@@ -39,6 +39,13 @@ def check(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def gates(session: nox.Session) -> None:
+    """Inventory every architecture gate of vendor/sglang with its reviewed decision."""
+    _install_tool(session)
+    session.run(*TOOL, "gates", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole test suite: the tool's tests, then the architecture-gate tests."""
     _install_tool(session)
@@ -152,3 +159,11 @@ def gate_bench(session: nox.Session) -> None:
     """Time the full gate matrix (benchmarks/gate_matrix.py; `-- --jobs 1 2 3`)."""
     python = _gate_env(session)
     session.run(str(python), "benchmarks/gate_matrix.py", *session.posargs, external=True)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """The tools against the standard tools on real upstream data (`-- --with-tests`)."""
+    _install_tool(session)
+    session.install("wheel")
+    session.run("python", "benchmarks/bench.py", *session.posargs)

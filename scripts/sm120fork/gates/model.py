@@ -1,0 +1,194 @@
+"""The records of the gate inventory: architectures, gate sites, inventories.
+
+Everything here is immutable. A `Gate` is what DESIGN.md "The gate inventory"
+describes, plus its identity (`key`, `id`) and the scanner's view of the code
+it guards (`Guarded`), which the policy and the release diff use but the
+JSON leaves out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+# What one architecture's evaluation of a condition can be: True, False,
+# "depends: a, b" naming the non-architecture inputs it still depends on, or
+# "raises KeyError in TABLE[major]" when evaluating it fails on that architecture.
+ArchResult = bool | str
+
+DECISIONS = ("patched", "excluded", "included", "upstream-ok")
+UNREVIEWED = "unreviewed"
+
+
+class Arch(NamedTuple):
+    name: str
+    major: int
+    minor: int
+
+    @property
+    def sm(self) -> int:
+        """What sglang's `get_device_sm()` returns: major * 10 + minor."""
+        return self.major * 10 + self.minor
+
+
+# sm120-gates.md "Architectures to cover"; every arch runs a CUDA new enough
+# for the helpers (12.8), which is what the helpers' names promise.
+ARCHS: tuple[Arch, ...] = (
+    Arch("sm80", 8, 0),
+    Arch("sm89", 8, 9),
+    Arch("sm90", 9, 0),
+    Arch("sm100", 10, 0),
+    Arch("sm103", 10, 3),
+    Arch("sm120", 12, 0),
+    Arch("sm121", 12, 1),
+)
+SM12X = ("sm120", "sm121")
+
+
+@dataclass(frozen=True)
+class Guarded:
+    """What a gate guards, as the scanner saw it (not written to JSON).
+
+    `taken_true` / `taken_false`: lower-cased identifiers and string literals
+    of the code that runs when the condition is true / false (None: nothing
+    to judge, e.g. the false branch is an `elif`, itself a gate). `rejects`:
+    the true branch only raises (a guard clause such as `if not
+    is_sm100_supported(): raise ...`). `text`: normalised text of the guarded
+    code, for similarity between releases. `context`: for a guard clause, the
+    enclosing `if` test and the function (what passing the guard leads to).
+    """
+
+    taken_true: tuple[str, ...] | None = None
+    taken_false: tuple[str, ...] | None = None
+    rejects: bool = False
+    text: str = ""
+    context: tuple[str, ...] = ()  # a guard clause's surroundings: enclosing test, function
+
+
+class GateKey(NamedTuple):
+    """A gate's identity: survives line shifts and reformatting."""
+
+    file: str
+    function: str
+    condition: str
+    occurrence: int
+
+
+@dataclass(frozen=True)
+class Gate:
+    file: str  # repository-relative: python/sglang/...
+    line: int
+    function: str  # qualified: Class.method, outer.inner, <module>
+    kind: str  # if, elif, while, ternary, assert, return, flag, assign, expr, comprehension
+    condition: str  # ast.unparse of the condition
+    archs: dict[str, ArchResult]
+    occurrence: int = 0  # index among gates with the same file, function, condition
+    within: str | None = None  # test of the innermost enclosing `if` (tells repeats apart)
+    guarded: Guarded = field(default_factory=Guarded, compare=False, repr=False)
+    decision: str = UNREVIEWED
+    patch: str | None = None
+    reason: str | None = None
+    evidence: tuple[str, ...] = ()
+    wrongly_included: bool = False
+    wrongly_included_token: str | None = None
+
+    @property
+    def key(self) -> GateKey:
+        return GateKey(self.file, self.function, self.condition, self.occurrence)
+
+    @property
+    def id(self) -> str:
+        raw = "\0".join(map(str, self.key)).encode()
+        return hashlib.sha1(raw, usedforsecurity=False).hexdigest()[:12]
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def with_changes(self, **changes: Any) -> Gate:
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "file": self.file,
+            "line": self.line,
+            "function": self.function,
+            "kind": self.kind,
+            "condition": self.condition,
+            "occurrence": self.occurrence,
+            "within": self.within,
+            "archs": dict(self.archs),
+            "decision": self.decision,
+            "patch": self.patch,
+            "reason": self.reason,
+            "evidence": list(self.evidence),
+            "wrongly_included": self.wrongly_included,
+            "wrongly_included_token": self.wrongly_included_token,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Gate:
+        """Read back one object of gates.json (the guarded code is not stored)."""
+        return cls(
+            file=data["file"],
+            line=int(data["line"]),
+            function=data["function"],
+            kind=data.get("kind", "if"),
+            condition=data["condition"],
+            archs=dict(data["archs"]),
+            occurrence=int(data.get("occurrence", 0)),
+            within=data.get("within"),
+            decision=data.get("decision", UNREVIEWED),
+            patch=data.get("patch"),
+            reason=data.get("reason"),
+            evidence=tuple(data.get("evidence", ())),
+            wrongly_included=bool(data.get("wrongly_included", False)),
+            wrongly_included_token=data.get("wrongly_included_token"),
+        )
+
+
+@dataclass(frozen=True)
+class ScanProblem:
+    """A file the scanner could not read or analyse: a finding, never a crash."""
+
+    file: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    root: str  # the tree that was scanned (its directory holding python/sglang)
+    gates: tuple[Gate, ...]
+    problems: tuple[ScanProblem, ...] = ()
+    files_total: int = 0
+    files_parsed: int = 0
+    unknown_helpers: tuple[str, ...] = ()  # is_sm*/is_blackwell*/... with no known meaning
+    stale_policy: tuple[str, ...] = ()  # policy entries that matched no gate
+
+    def with_gates(self, gates: tuple[Gate, ...], **changes: Any) -> Inventory:
+        return replace(self, gates=gates, **changes)
+
+    @property
+    def unreviewed(self) -> tuple[Gate, ...]:
+        return tuple(g for g in self.gates if g.decision == UNREVIEWED)
+
+    @property
+    def flagged(self) -> tuple[Gate, ...]:
+        return tuple(g for g in self.gates if g.wrongly_included)
+
+
+def assign_occurrences(gates: list[Gate]) -> tuple[Gate, ...]:
+    """Number gates sharing (file, function, condition) in source order."""
+    seen: dict[tuple[str, str, str], int] = {}
+    result = []
+    for gate in sorted(gates, key=lambda g: (g.file, g.line, g.condition)):
+        triple = (gate.file, gate.function, gate.condition)
+        index = seen.get(triple, 0)
+        seen[triple] = index + 1
+        result.append(replace(gate, occurrence=index))
+    return tuple(result)

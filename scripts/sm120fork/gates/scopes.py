@@ -1,0 +1,399 @@
+"""Scopes and name bindings of one module, for resolving what a name means.
+
+One pass over the syntax tree records, per scope (module, class, function),
+every binding of every name: assignments (with tuple-unpacking positions),
+imports, definitions, parameters and other opaque bindings (loop targets,
+`with ... as`, `except ... as`). `self.x = ...` inside a method is recorded
+on the class. Lookups follow Python's rules closely enough for gates: the
+innermost scope that binds the name wins (class scopes are skipped from
+nested functions); within the use's own scope the bindings before the use
+are the candidates, from an enclosing scope all of them.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+Pos = tuple[int, int]
+FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+@dataclass(eq=False)
+class Binding:
+    name: str
+    pos: Pos  # where the bound value becomes visible
+    kind: str  # value, import, module, def, param, opaque
+    node: ast.AST | None = None  # value expression, or the definition
+    index: tuple[int, ...] = ()  # position inside an unpacked tuple
+    scope: Scope | None = None  # where `node` is evaluated
+    target: str = ""  # import: dotted module; for from-imports "module:name"
+
+
+@dataclass(eq=False)
+class Scope:
+    kind: str  # module, class, function
+    qualname: str  # <module>, Class, Class.method, outer.inner
+    parent: Scope | None
+    node: ast.AST
+    names: dict[str, list[Binding]] = field(default_factory=dict)
+    attrs: dict[str, list[Binding]] = field(default_factory=dict)  # class: self.X
+    self_name: str | None = None  # function: the method's first parameter
+    owner: Scope | None = None  # function: the class it is a method of (or its method's)
+
+    def bind(self, binding: Binding) -> None:
+        self.names.setdefault(binding.name, []).append(binding)
+
+
+@dataclass(eq=False)
+class ModuleScopes:
+    module: str  # dotted module name
+    package: str  # package for relative imports
+    root: Scope
+    of_node: dict[int, Scope]  # id(FunctionDef / ClassDef node) -> its scope
+    _calls: dict[str, list[tuple[ast.Call, Scope]]] | None = None
+    rebound: set[str] = field(default_factory=set)  # names some function declares `global`
+    _calls_of: dict[str, list[tuple[ast.Call, Scope]]] = field(default_factory=dict)
+
+    def lookup(self, name: str, scope: Scope, pos: Pos) -> list[Binding]:
+        """Candidate bindings of `name` used at `pos` in `scope`, best first.
+
+        In the use's own scope: the last binding before the use (flow order,
+        approximately). From an enclosing scope: all of them, last first (a
+        function reads a module flag after the whole module ran; the caller
+        prefers the one derived from the architecture).
+        """
+        current: Scope | None = scope
+        nested = False
+        while current is not None:
+            if current.kind == "class" and nested:
+                current = current.parent
+                continue
+            bindings = current.names.get(name)
+            if bindings:
+                if not nested:
+                    before = [b for b in bindings if b.pos <= pos]
+                    if before:
+                        return before[-1:]
+                return bindings[::-1]
+            nested = True
+            current = current.parent
+        return []
+
+    def self_attr(self, scope: Scope, attr: str) -> list[Binding]:
+        """Bindings of `self.attr` / `cls.attr` for a method's own class."""
+        owner = scope.owner
+        if owner is None:
+            return []
+        return (owner.attrs.get(attr, []) + owner.names.get(attr, []))[::-1]
+
+    def calls_to(
+        self, name: str, lines: Iterable[int] | None = None
+    ) -> list[tuple[ast.Call, Scope]]:
+        """Every call of a function or method named `name` in the module.
+
+        `lines`: every line where the name occurs (if known): only the
+        statements there are looked at. The answer is cached per name.
+        """
+        if lines is not None:
+            cached = self._calls_of.get(name)
+            if cached is None:
+                cached = self._calls_of[name] = [
+                    (node, scope)
+                    for line in sorted(lines)
+                    for node, scope in self._calls_on_line(line)
+                    if _callee(node) == name
+                ]
+            return cached
+        if self._calls is None:
+            self._calls = {}
+            for scope in (self.root, *self.of_node.values()):
+                for node in _own_nodes(scope.node):
+                    if isinstance(node, ast.Call):
+                        callee = _callee(node)
+                        if callee:
+                            self._calls.setdefault(callee, []).append((node, scope))
+        return self._calls.get(name, [])
+
+    def _calls_on_line(self, line: int) -> list[tuple[ast.Call, Scope]]:
+        """The calls starting on `line`, found by descending to the statement there."""
+        scope = self.root
+        body: list[ast.stmt] = self.root.node.body  # type: ignore[attr-defined]
+        while True:
+            stmt = _statement_at(body, line)
+            if stmt is None:
+                return []
+            inner = [b for b in _bodies(stmt) if _statement_at(b, line) is not None]
+            if not inner:
+                break
+            if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                scope = self.of_node.get(id(stmt), scope)
+            body = inner[0]
+        calls = []
+        for node in _header_nodes(stmt):
+            if isinstance(node, ast.Call) and node.lineno == line:
+                calls.append((node, scope))
+        return calls
+
+    def imports(self) -> list[Binding]:
+        """Every import binding of the module, in any scope."""
+        found: list[Binding] = []
+        for scope in (self.root, *self.of_node.values()):
+            for bindings in scope.names.values():
+                found.extend(b for b in bindings if b.kind in ("import", "module"))
+        return found
+
+    def dispose(self) -> None:
+        """Break the reference cycles (scope <-> binding) so memory frees at once."""
+        for scope in (self.root, *self.of_node.values()):
+            scope.names.clear()
+            scope.attrs.clear()
+            scope.parent = scope.owner = None
+        self.of_node.clear()
+        self._calls = None
+        self._calls_of.clear()
+
+
+def argument_for(fn: FunctionNode, binding: Binding, call: ast.Call) -> ast.expr | None:
+    """The expression `call` passes for parameter `binding` of `fn` (None: not known).
+
+    Called as `obj.fn(...)` a method gets `self` from the attribute access.
+    """
+    for keyword in call.keywords:
+        if keyword.arg == binding.name:
+            return keyword.value
+    args = fn.args
+    position = binding.index[0]
+    if position >= len(args.posonlyargs) + len(args.args):
+        return None  # *args, keyword-only or **kwargs
+    method = binding.scope is not None and binding.scope.owner is not None
+    if method and isinstance(call.func, ast.Attribute):
+        position -= 1
+    if any(isinstance(a, ast.Starred) for a in call.args):
+        return None
+    return call.args[position] if 0 <= position < len(call.args) else None
+
+
+def _statement_at(body: list[ast.stmt], line: int) -> ast.stmt | None:
+    starts = [stmt.lineno for stmt in body]
+    i = bisect.bisect_right(starts, line) - 1
+    if i >= 0 and line <= (body[i].end_lineno or body[i].lineno):
+        return body[i]
+    return None
+
+
+def _bodies(stmt: ast.stmt) -> list[list[ast.stmt]]:
+    """The statement lists nested in a compound statement."""
+    bodies = [getattr(stmt, name, None) for name in ("body", "orelse", "finalbody")]
+    found = [b for b in bodies if isinstance(b, list) and b and isinstance(b[0], ast.stmt)]
+    for handler in getattr(stmt, "handlers", ()):
+        found.append(handler.body)
+    for case in getattr(stmt, "cases", ()):
+        found.append(case.body)
+    return found
+
+
+def _header_nodes(stmt: ast.stmt) -> list[ast.AST]:
+    """A statement's own expressions: not the statements nested in it."""
+    nested = {id(s) for body in _bodies(stmt) for s in body}
+    found: list[ast.AST] = []
+    stack = [c for c in ast.iter_child_nodes(stmt) if id(c) not in nested]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.stmt | ast.ExceptHandler | ast.match_case):
+            continue
+        found.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _callee(call: ast.Call) -> str | None:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
+
+
+def _own_nodes(root: ast.AST) -> list[ast.AST]:
+    """The nodes of a scope's own code: not inside nested functions or classes."""
+    found: list[ast.AST] = []
+    stack = list(ast.iter_child_nodes(root))
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            # decorators and defaults run in this scope; the body does not
+            stack.extend(node.decorator_list)
+            if not isinstance(node, ast.ClassDef):
+                stack.extend(d for d in (*node.args.defaults, *node.args.kw_defaults) if d)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def module_name(relpath: str) -> tuple[str, str]:
+    """('sglang.srt.x', package) for 'python/sglang/srt/x.py' (or 'sglang/srt/x.py')."""
+    parts = relpath[:-3].split("/") if relpath.endswith(".py") else relpath.split("/")
+    if parts and parts[0] == "python":
+        parts = parts[1:]
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+        return ".".join(parts), ".".join(parts)
+    return ".".join(parts), ".".join(parts[:-1])
+
+
+def build_scopes(tree: ast.Module, relpath: str, *, walrus: bool = True) -> ModuleScopes:
+    """`walrus=False`: the source has no `:=`, skip looking for assignment expressions."""
+    module, package = module_name(relpath)
+    root = Scope("module", "<module>", None, tree)
+    scopes = ModuleScopes(module, package, root, {})
+    _Builder(scopes, walrus).block(tree.body, root)
+    return scopes
+
+
+def _end(node: ast.AST) -> Pos:
+    return (getattr(node, "end_lineno", 0) or 0, getattr(node, "end_col_offset", 0) or 0)
+
+
+def _start(node: ast.AST) -> Pos:
+    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+
+
+class _Builder:
+    def __init__(self, scopes: ModuleScopes, walrus: bool) -> None:
+        self.scopes = scopes
+        self.has_walrus = walrus
+
+    def block(self, body: list[ast.stmt], scope: Scope) -> None:
+        for stmt in body:
+            self.stmt(stmt, scope)
+
+    def stmt(self, stmt: ast.stmt, scope: Scope) -> None:
+        if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+            scope.bind(Binding(stmt.name, _start(stmt), "def", stmt, scope=scope))
+            self.function(stmt, scope)
+        elif isinstance(stmt, ast.ClassDef):
+            scope.bind(Binding(stmt.name, _start(stmt), "def", stmt, scope=scope))
+            qual = stmt.name if scope.kind == "module" else f"{scope.qualname}.{stmt.name}"
+            inner = Scope("class", qual, scope, stmt)
+            self.scopes.of_node[id(stmt)] = inner
+            self.block(stmt.body, inner)
+        elif isinstance(stmt, ast.Assign):
+            for target in stmt.targets:
+                self.target(target, stmt.value, (), stmt, scope)
+        elif isinstance(stmt, ast.AnnAssign):
+            if stmt.value is not None:
+                self.target(stmt.target, stmt.value, (), stmt, scope)
+        elif isinstance(stmt, ast.AugAssign):
+            self.target(stmt.target, None, (), stmt, scope)
+        elif isinstance(stmt, ast.Import | ast.ImportFrom):
+            self.imports(stmt, scope)
+        elif isinstance(stmt, ast.For | ast.AsyncFor):
+            self.target(stmt.target, None, (), stmt.target, scope)
+            self.block(stmt.body, scope)
+            self.block(stmt.orelse, scope)
+        elif isinstance(stmt, ast.If | ast.While):
+            if self.has_walrus:
+                self.walrus(stmt.test, scope)
+            self.block(stmt.body, scope)
+            self.block(stmt.orelse, scope)
+        elif isinstance(stmt, ast.With | ast.AsyncWith):
+            for item in stmt.items:
+                if item.optional_vars is not None:
+                    self.target(item.optional_vars, None, (), stmt, scope)
+            self.block(stmt.body, scope)
+        elif isinstance(stmt, ast.Try | ast.TryStar):
+            self.block(stmt.body, scope)
+            for handler in stmt.handlers:
+                if handler.name:
+                    scope.bind(Binding(handler.name, _start(handler), "opaque", scope=scope))
+                self.block(handler.body, scope)
+            self.block(stmt.orelse, scope)
+            self.block(stmt.finalbody, scope)
+        elif isinstance(stmt, ast.Match):
+            for case in stmt.cases:
+                self.block(case.body, scope)
+        elif isinstance(stmt, ast.Global):
+            self.scopes.rebound.update(stmt.names)
+
+    def function(self, node: FunctionNode, scope: Scope) -> None:
+        qual = node.name if scope.kind == "module" else f"{scope.qualname}.{node.name}"
+        inner = Scope("function", qual, scope, node)
+        self.scopes.of_node[id(node)] = inner
+        args = node.args
+        params = [*args.posonlyargs, *args.args, *args.kwonlyargs]
+        if args.vararg:
+            params.append(args.vararg)
+        if args.kwarg:
+            params.append(args.kwarg)
+        for position, param in enumerate(params):
+            # A parameter's value comes from the calls: see Evaluator.param_value.
+            inner.bind(Binding(param.arg, _start(node), "param", node, (position,), inner))
+        if scope.kind == "class":
+            inner.owner = scope
+            positional = [*args.posonlyargs, *args.args]
+            is_static = any(
+                isinstance(d, ast.Name) and d.id == "staticmethod" for d in node.decorator_list
+            )
+            if positional and not is_static:
+                inner.self_name = positional[0].arg
+        elif scope.kind == "function":  # a closure inside a method sees its self
+            inner.owner, inner.self_name = scope.owner, scope.self_name
+        self.block(node.body, inner)
+
+    def target(
+        self,
+        target: ast.expr,
+        value: ast.expr | None,
+        index: tuple[int, ...],
+        stmt: ast.AST,
+        scope: Scope,
+    ) -> None:
+        if isinstance(target, ast.Name):
+            kind = "value" if value is not None else "opaque"
+            scope.bind(Binding(target.id, _end(stmt), kind, value, index, scope))
+        elif isinstance(target, ast.Tuple | ast.List):
+            for i, element in enumerate(target.elts):
+                if isinstance(element, ast.Starred):
+                    self.target(element.value, None, (), stmt, scope)
+                else:
+                    self.target(element, value, (*index, i), stmt, scope)
+        elif (
+            isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and scope.self_name is not None
+            and target.value.id == scope.self_name
+            and scope.owner is not None
+        ):
+            kind = "value" if value is not None else "opaque"
+            binding = Binding(target.attr, _end(stmt), kind, value, index, scope)
+            scope.owner.attrs.setdefault(target.attr, []).append(binding)
+
+    def walrus(self, test: ast.expr, scope: Scope) -> None:
+        for node in ast.walk(test):
+            if isinstance(node, ast.NamedExpr) and isinstance(node.target, ast.Name):
+                scope.bind(Binding(node.target.id, _end(node), "value", node.value, (), scope))
+
+    def imports(self, stmt: ast.Import | ast.ImportFrom, scope: Scope) -> None:
+        pos = _end(stmt)
+        if isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                if alias.asname:
+                    scope.bind(Binding(alias.asname, pos, "module", target=alias.name))
+                else:
+                    top = alias.name.split(".")[0]
+                    scope.bind(Binding(top, pos, "module", target=top))
+            return
+        base = stmt.module or ""
+        if stmt.level:
+            package = self.scopes.package.split(".") if self.scopes.package else []
+            if stmt.level > 1:
+                package = package[: len(package) - (stmt.level - 1)]
+            base = ".".join([*package, *([stmt.module] if stmt.module else [])])
+        for alias in stmt.names:
+            if alias.name == "*":
+                continue
+            name = alias.asname or alias.name
+            scope.bind(Binding(name, pos, "import", target=f"{base}:{alias.name}"))
