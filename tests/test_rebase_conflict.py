@@ -51,11 +51,20 @@ def test_conflict_report_names_file_line_and_both_sides(
         "ours": "if is_blackwell_supported(): x_40 = 40\n",
         "theirs": "if is_sm100_or_sm120(): x_40 = 40\n",
         "base": "if is_sm100_supported(): x_40 = 40\n",
+        "conditions": {  # the gate's conditions side by side
+            "old_upstream": ["is_sm100_supported()"],
+            "new_upstream": ["is_blackwell_supported()"],
+            "patch": ["is_sm100_or_sm120()"],
+        },
     }
     assert "0002-gate.patch" in report["patches"][2]["detail"]
     markdown = fork.read("build/rebase/report.md")
     assert "```python\nif is_blackwell_supported(): x_40 = 40\n```" in markdown
     assert "(architecture gate)" in markdown
+    assert (
+        "| `is_sm100_supported()` | `is_blackwell_supported()` | `is_sm100_or_sm120()` |"
+        in markdown
+    )
     # Nothing landed; the markers wait in the work tree.
     assert fork.snapshot() == before
     assert fork.status() == ""

@@ -16,6 +16,7 @@ pristine new upstream file, the numbers a person finds in upstream's tree.
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Callable, Iterable
 
@@ -122,6 +123,34 @@ def _whole_file(path: str, stages: set[int], ours: str, patch: PatchFile) -> Con
     if 2 not in stages:
         ours = ""  # upstream deleted (or moved) the file the patch changes
     return Conflict(file=path, line=0, gate=is_gate_text(ours, theirs), ours=ours, theirs=theirs)
+
+
+def gate_conditions(text: str) -> list[str]:
+    """The architecture conditions written in a conflict side: `if C:` -> `C`.
+
+    Lines with a gate token that do not parse as an `if`/`elif`/`while`/
+    `assert`/`return` on their own (a continued condition) are shown whole."""
+    found: list[str] = []
+    for line in split_lines(text):
+        if is_gate_text(line):
+            found.append(_condition(line.strip()))
+    return found
+
+
+def _condition(line: str) -> str:
+    source = "if" + line[4:] if line.startswith("elif") else line
+    for candidate in (source, source + " pass"):
+        try:
+            tree = ast.parse(candidate)
+        except SyntaxError:
+            continue
+        statement = tree.body[0] if tree.body else None
+        if isinstance(statement, ast.If | ast.While | ast.Assert):
+            return ast.unparse(statement.test)
+        if isinstance(statement, ast.Return) and statement.value is not None:
+            return ast.unparse(statement.value)
+        break
+    return line
 
 
 def is_gate_text(*texts: str) -> bool:

@@ -11,9 +11,10 @@ from typing import Any, Literal
 
 from sm120fork.fsutil import atomic_write_many
 from sm120fork.rebase import gatefindings
+from sm120fork.rebase.conflicts import gate_conditions
 from sm120fork.rebase.gatefindings import KINDS
 from sm120fork.rebase.ledger import first_break, shown
-from sm120fork.rebase.state import RebaseState
+from sm120fork.rebase.state import Conflict, RebaseState
 
 Result = Literal["complete", "conflict", "dry-run"]
 _DRY_RUN_NOTE = [
@@ -40,6 +41,19 @@ def build(
     return report
 
 
+def _conflict(conflict: Conflict) -> dict[str, Any]:
+    """file, line, gate, ours, theirs, base; for a gate also the conditions side by side:
+    the old upstream's, the new upstream's, and what the patch wanted."""
+    entry = dataclasses.asdict(conflict)
+    if conflict.gate:
+        entry["conditions"] = {
+            "old_upstream": gate_conditions(conflict.base),
+            "new_upstream": gate_conditions(conflict.ours),
+            "patch": gate_conditions(conflict.theirs),
+        }
+    return entry
+
+
 def _patch(state: RebaseState, index: int) -> dict[str, Any]:
     patch = state.patches[index]
     status, detail = shown(state, index)
@@ -48,8 +62,7 @@ def _patch(state: RebaseState, index: int) -> dict[str, Any]:
         "status": status,
         "detail": detail,
         "conflicts": [
-            dataclasses.asdict(c)  # file, line, gate, ours, theirs, and base
-            for c in (patch.conflicts if status in ("conflict", "resolved") else ())
+            _conflict(c) for c in (patch.conflicts if status in ("conflict", "resolved") else ())
         ],
     }
     if state.step_mode:
@@ -106,6 +119,7 @@ def markdown(report: dict[str, Any]) -> str:
                 gate = " (architecture gate)" if c["gate"] else ""
                 title = f"`{patch['name']}`{fate}: `{c['file']}` line {c['line']}{gate}"
                 lines += [f"### {title}", ""]
+                lines += _conditions_table(c.get("conditions"))
                 lines += ["Upstream (ours):", "", *_fenced(c["ours"]), ""]
                 lines += ["The patch (theirs):", "", *_fenced(c["theirs"]), ""]
                 if c.get("base"):
@@ -124,6 +138,23 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"- {gatefindings.describe_gate(gate)}" for gate in found]
             lines += ["", "</details>"]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _conditions_table(conditions: dict[str, list[str]] | None) -> list[str]:
+    if not conditions or not any(conditions.values()):
+        return []
+    rows = max(len(v) for v in conditions.values())
+
+    def cell(side: str, i: int) -> str:
+        values = conditions[side]
+        return f"`{_cell(values[i])}`" if i < len(values) else ""
+
+    lines = ["| old upstream | new upstream | the patch wanted |", "|---|---|---|"]
+    lines += [
+        f"| {cell('old_upstream', i)} | {cell('new_upstream', i)} | {cell('patch', i)} |"
+        for i in range(rows)
+    ]
+    return [*lines, ""]
 
 
 def _cell(text: str) -> str:
