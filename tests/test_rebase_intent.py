@@ -96,3 +96,40 @@ def test_gate_that_upstream_opened_to_sm120_is_upstreamed(
     assert fork.read("patches/series") == ""
     assert not (fork.root / "patches/0001-glm.patch").exists()
     assert "[[intent]]" not in fork.read("patches/intents.toml")  # its recipe went too
+
+
+MOVED_TO = "python/sglang/srt/arg_groups/glm4_moe.py"
+MOVED = textwrap.dedent("""\
+    from sglang.srt.utils import is_sm100_supported
+
+
+    @_register_for("Glm4MoeForCausalLM")
+    def _glm4_moe_overrides(server_args, hf_config):
+        overrides = {}
+        if is_sm100_supported():
+            overrides["quantization"] = "modelopt_fp4"
+            overrides["moe_runner_backend"] = "flashinfer_trtllm"
+        return overrides
+""")
+
+
+def test_gate_moved_to_another_file_is_resolved_there(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    emptied = edit(ORIGINAL, ORIGINAL[ORIGINAL.index("        if model_arch") :], "        pass\n")
+    patched = reapply(INTENT, {SA: ORIGINAL}.get, [SA]).changes[SA]
+    versions = {"v0.5.9": {SA: ORIGINAL}, "v0.5.10": {SA: emptied, MOVED_TO: MOVED}}
+    fork = make_rebase_fork(request, versions, [(INTENT.patch, [(SA, ORIGINAL, patched)])])
+    (fork.root / "patches/intents.toml").write_text(INTENTS_TOML)
+    gitcmd.run(["add", "-A", "."], fork.root)
+    gitcmd.run(["commit", "-q", "-m", "declare the intent"], fork.root)
+    result = fork.rebase("v0.5.10")
+    assert result.returncode == 0, result.stderr
+    [patch] = fork.report()["patches"]
+    assert patch["status"] == "resolved", patch
+    assert MOVED_TO in patch["detail"]
+    landed = fork.read("patches/0001-glm.patch")
+    assert f"+++ b/{MOVED_TO}" in landed and "server_args.py" not in landed
+    assert "+    if is_sm100_supported() or is_sm120_supported():" in landed
+    assert "+from sglang.srt.utils import is_sm100_supported, is_sm120_supported" in landed
+    assert main(["-C", str(fork.root), "check"]) == 0, capsys.readouterr().out

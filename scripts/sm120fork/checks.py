@@ -96,7 +96,7 @@ def _patch_findings(
         for patch in patches:
             where = f"patches/{patch.name}"
             intent = intents.get(patch.name)
-            recipe = reapply(intent, overlay.read, []) if intent else None
+            recipe = reapply(intent, overlay.read, patch.paths) if intent else None
             before = {path: overlay.read(path) for path in patch.paths}
             try:
                 apply_patch(overlay, patch)
