@@ -61,9 +61,7 @@ class DiffRenderer:
         old_tree = self._tree(before)
         new_tree = self._tree(after)
         out = gitcmd.run([*_DIFF_OPTIONS, old_tree, new_tree], self._dir).stdout.decode("utf-8")
-        return "".join(
-            line for line in split_lines(out) if not line.startswith("index ")
-        )
+        return "".join(line for line in split_lines(out) if not line.startswith("index "))
 
     def _tree(self, files: Mapping[str, str | None]) -> str:
         for entry in self._dir.iterdir():
