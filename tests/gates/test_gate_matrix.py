@@ -89,6 +89,12 @@ def test_row(
     record_row.append((tree_label, row, cells))
     differing = [c for c in cells if not c.ok]
     detail = "\n  ".join(c.describe() for c in differing)
+    blind = [c for c in cells if c.blind]
+    assert not blind, (
+        f"{tree_label} ({tree.path}) {row.label}: the harness cannot observe this field "
+        "(a probe found no equivalent gate, or the scenario crashed in the harness):\n  "
+        + "\n  ".join(c.describe() for c in blind)
+    )
     if tree.mode == trees.PRISTINE and row.patch:
         if len(wanted) < len(ARCHS) and not differing:
             pytest.skip("bite check needs every architecture (--gate-arch given)")

@@ -5,6 +5,8 @@
       observe and print every scenario's fields per architecture
   python -m tests.gates.gate_harness rows OBS.json SCENARIO:FIELD [...]
       print [[row]] blocks holding the observed values (to paste into expectations.toml)
+  python -m tests.gates.gate_harness markdown OBS.json [--scenario S ...]
+      print the observations as Markdown tables (tests/gates/observed-<version>.md)
 
 Use the gate environment's python (the one with torch): see tests/gates/README.md.
 """
@@ -20,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import runner, spec, table, trees
+from . import report, runner, spec, table, trees
 
 
 def _tree(value: str, scratch: Path) -> trees.Tree:
@@ -82,6 +84,14 @@ def cmd_rows(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_markdown(args: argparse.Namespace) -> int:
+    observations = json.loads(args.observations.read_text())
+    archs = [a.name for a in spec.load_archs()]
+    order = [s for s in spec.load_scenarios() if not args.scenario or s in args.scenario]
+    print(report.markdown(observations, archs, order), end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.gates.gate_harness")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows.add_argument("observations", type=Path)
     rows.add_argument("cells", nargs="+", metavar="SCENARIO:FIELD")
     rows.set_defaults(func=cmd_rows)
+    md = sub.add_parser("markdown", help="print saved observations as Markdown tables")
+    md.add_argument("observations", type=Path)
+    md.add_argument("--scenario", action="append", help="only this scenario (repeatable)")
+    md.set_defaults(func=cmd_markdown)
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

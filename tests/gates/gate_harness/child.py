@@ -3,30 +3,43 @@
 Run by ``runner.py`` as ``python child.py REQUEST.json RESULT.json`` in the gate
 environment (torch and sglang's pinned dependencies installed). It uses only the
 standard library and torch, and must stay a standalone script: no imports from the
-harness package.
+harness package (its sibling ``child_probes.py`` is loaded from this directory).
 
 Order matters: the fakes go in before sglang is imported, so every ``lru_cache``,
 module-level flag (``communicator._is_sm100_supported``, DeepGEMM flags, Triton
-``CUDA_CAPABILITY``) and platform object computes itself from the fake hardware.
-Nothing of sglang is patched: the fakes sit at the torch.cuda / torch.version
-boundary (here), the ``nvidia-smi`` executable and ``libcuda.so.1`` (runner.py).
-Triton is touched only to catch a kernel launch and read its tile constants.
+``CUDA_CAPABILITY``) and platform object (``get_platform()``) computes itself from
+the fake hardware. Nothing of sglang is patched: the fakes sit at the torch.cuda /
+torch.version boundary (here), the ``nvidia-smi`` executable, ``libcuda.so.1`` and
+``libnvidia-ml.so.1`` (runner.py). Triton is touched only to catch a kernel launch
+and read its tile constants.
+
+Where a release decides: 0.5.9 resolves ServerArgs in ``__post_init__``; later
+releases construct an unresolved record and decide in ``resolve_once()``, read
+through ``resolved_dict()``. ``build_server_args`` detects which, and refuses
+(exit 3, the run fails) when it cannot see a decision being made: reading raw
+attributes of an unresolved record would pass every row vacuously.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING or __package__:
+    from . import child_probes
+else:  # run as a script by runner.py: this directory is sys.path[0]
+    import child_probes
 
 Observation = dict[str, Any]
-Probe = Callable[[Any], Observation]
+MISSING = child_probes.MISSING
+HARNESS_FAILURE_EXIT = 3
 
 # ServerArgs fields recorded for every scenario that builds ServerArgs. A field
 # missing in the tested release is recorded as "<missing>".
@@ -41,32 +54,23 @@ SERVER_ARGS_FIELDS = (
     "decode_attention_backend",
     "kv_cache_dtype",
     "page_size",
-    "nsa_prefill_backend",
+    "nsa_prefill_backend",  # 0.5.9; renamed dsa_* later
     "nsa_decode_backend",
-    "enable_flashinfer_allreduce_fusion",
+    "dsa_prefill_backend",
+    "dsa_decode_backend",
+    "dsa_paged_mqa_logits_backend",  # the DSA indexer's kernel (DeepGEMM on CUDA)
+    "enable_flashinfer_allreduce_fusion",  # 0.5.9; later a deprecated alias of the next
+    "flashinfer_allreduce_fusion_backend",
     "fp4_gemm_runner_backend",
     "fp8_gemm_runner_backend",
     "sampling_backend",
     "disable_hybrid_swa_memory",
     "device",
 )
-MISSING = "<missing>"
-DEEP_GEMM_FLAGS = ("ENABLE_JIT_DEEPGEMM", "DEEPGEMM_BLACKWELL", "DEEPGEMM_SCALE_UE8M0")
 
 
-def describe(exc: BaseException) -> dict[str, str]:
-    """An observed error: ``{"raises": "<Type>: <first line of the message>"}``."""
-    lines = str(exc).strip().splitlines()
-    return {"raises": f"{type(exc).__name__}: {lines[0] if lines else ''}"}
-
-
-def plain(value: Any) -> Any:
-    """JSON-able, comparable form of an observed value."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if hasattr(value, "value") and isinstance(value.value, str):  # an Enum
-        return value.value
-    return str(value)
+class HarnessFailure(Exception):
+    """The harness cannot observe this release faithfully: the child exits non-zero."""
 
 
 # --------------------------------------------------------------------------- fakes
@@ -141,173 +145,102 @@ def fake_hardware(arch: dict[str, Any]) -> dict[str, Any]:
     return {"torch": torch.__version__, "torch.version.cuda": cuda_version}
 
 
-# --------------------------------------------------------------------------- probes
+# --------------------------------------------------------------------------- ServerArgs
 
 
-def _import(name: str) -> Any:
-    return importlib.import_module(name)
-
-
-def probe_allreduce_fusion(server_args: Any) -> Observation:
-    """Row 1: the runtime gate, asked with the scenario's ServerArgs installed."""
-    sa_mod = _import("sglang.srt.server_args")
-    sa_mod.set_global_server_args_for_scheduler(server_args)
-    communicator = _import("sglang.srt.layers.communicator")
+def _declared_defaults(cls: Any) -> dict[str, Any]:
+    if not dataclasses.is_dataclass(cls):
+        return {}
     return {
-        "communicator.apply_flashinfer_allreduce_fusion": bool(
-            communicator.apply_flashinfer_allreduce_fusion(128)
+        f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+    }
+
+
+def build_server_args(model_path: str, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """ServerArgs for a scenario, resolved, and its decided field values.
+
+    Raises what sglang raises (an observation) or HarnessFailure when the release
+    offers no resolution the harness can see act.
+    """
+    cls = importlib.import_module("sglang.srt.server_args").ServerArgs
+    server_args = cls(model_path=model_path, **kwargs)
+    resolve = getattr(server_args, "resolve_once", None)
+    if callable(resolve):
+        built = {name: getattr(server_args, name, MISSING) for name in SERVER_ARGS_FIELDS}
+        resolve()
+        resolved_dict = getattr(server_args, "resolved_dict", None)
+        if not callable(resolved_dict):
+            raise HarnessFailure(
+                "ServerArgs has resolve_once() but no resolved_dict(): its decisions cannot "
+                "be read (raw attributes stay unresolved)"
+            )
+        values = dict(resolved_dict())
+        before, how = built, "resolve_once() / resolved_dict()"
+    else:
+        values = {name: getattr(server_args, name, MISSING) for name in SERVER_ARGS_FIELDS}
+        before, how = _declared_defaults(cls), "ServerArgs(...) (no resolve_once())"
+    decided = [
+        name
+        for name in SERVER_ARGS_FIELDS
+        if name in values and name in before and values[name] != before[name]
+    ]
+    if not decided:
+        raise HarnessFailure(
+            f"{how} decided none of {', '.join(SERVER_ARGS_FIELDS)} for {model_path}: "
+            "resolution is unavailable or a no-op here, and every row would pass vacuously"
         )
-    }
+    return server_args, values
 
 
-def probe_fp8_gemm(server_args: Any) -> Observation:
-    """Row 10: which block-FP8 GEMM the dispatcher picks for the scenario's args."""
-    fp8_utils = _import("sglang.srt.layers.quantization.fp8_utils")
-    fp8_utils.initialize_fp8_gemm_config(server_args)
-    chosen = fp8_utils.dispatch_w8a8_block_fp8_linear()
-    return {"fp8_utils.dispatch_w8a8_block_fp8_linear": chosen.__name__}
-
-
-def probe_fp4_gemm(server_args: Any) -> Observation:
-    """Row 12: the FP4 GEMM runner after fp4_utils has read the scenario's args."""
-    fp4_utils = _import("sglang.srt.layers.quantization.fp4_utils")
-    fp4_utils.initialize_fp4_gemm_config(server_args)
-    return {"fp4_utils.fp4_gemm_runner_backend": plain(fp4_utils.get_fp4_gemm_runner_backend())}
-
-
-def probe_deep_gemm(_: Any) -> Observation:
-    """Row 11: DeepGEMM module flags, frozen at import."""
-    configurer = _import("sglang.srt.layers.deep_gemm_wrapper.configurer")
-    return {
-        f"deep_gemm.{flag}": plain(getattr(configurer, flag, MISSING)) for flag in DEEP_GEMM_FLAGS
-    }
-
-
-class _Launched(Exception):
-    """Control flow: carries the constants of the caught kernel launch."""
-
-    def __init__(self, constants: dict[str, Any]) -> None:
-        super().__init__("launch caught")
-        self.constants = constants
-
-
-def _caught_launch(call: Callable[[], Any]) -> str:
-    """Run ``call`` until its first Triton launch; return that launch's BLOCK_MxBLOCK_N."""
-    jit = _import("triton.runtime.jit")
-    original = jit.JITFunction.run
-
-    def catch(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise _Launched(kwargs)
-
-    jit.JITFunction.run = catch
-    try:
-        call()
-    except _Launched as launched:
-        return f"{launched.constants.get('BLOCK_M')}x{launched.constants.get('BLOCK_N')}"
-    finally:
-        jit.JITFunction.run = original
-    return "no launch"
-
-
-def _launch_tiles(call: Callable[[], Any]) -> Any:
-    """BLOCK_MxBLOCK_N of ``call``'s first Triton launch, or the error raised before it."""
-    try:
-        return _caught_launch(call)
-    except Exception as exc:
-        return describe(exc)
-
-
-def probe_triton_tiles(_: Any) -> Observation:
-    """Row 13: Triton attention tile sizes chosen from CUDA_CAPABILITY (meta tensors)."""
-    torch = _import("torch")
-
-    def meta(*shape: int, dtype: Any = None) -> Any:
-        return torch.empty(*shape, device="meta", dtype=dtype or torch.bfloat16)
-
-    def idx(*shape: int) -> Any:
-        return meta(*shape, dtype=torch.int32)
-
-    out: Observation = {}
-    extend = _import("sglang.srt.layers.attention.triton_ops.extend_attention")
-    for lq, lv in ((128, 128), (192, 128), (576, 512)):
-
-        def extend_fwd(lq: int = lq, lv: int = lv) -> Any:
-            q, o, kbuf, vbuf = meta(16, 8, lq), meta(16, 8, lv), meta(64, 8, lq), meta(64, 8, lv)
-            indptr, indices = idx(2), idx(16)
-            return extend.extend_attention_fwd(
-                q, q, o, o, kbuf, vbuf, indptr, indptr, indices, None, True, None, 16
-            )
-
-        out[f"triton.extend_attention[Lq={lq}]"] = _launch_tiles(extend_fwd)
-
-    prefill = _import("sglang.srt.layers.attention.triton_ops.prefill_attention")
-
-    for lk in (128, 256):
-
-        def prefill_fwd(lk: int = lk) -> Any:
-            x = meta(16, 8, lk)
-            return prefill.context_attention_fwd(x, x, x, x, idx(1), idx(1), 16)
-
-        out[f"triton.prefill_attention[Lk={lk}]"] = _launch_tiles(prefill_fwd)
-
-    sparse = _import("sglang.srt.layers.attention.triton_ops.double_sparsity_attention")
-
-    for lq in (128, 256):
-
-        def sparse_fwd(lq: int = lq) -> Any:
-            x, buf = meta(16, 8, lq), meta(64, 8, lq)
-            one = idx(1)
-            return sparse.extend_attention_fwd(
-                x, x, x, x, buf, buf, idx(1, 64), one, one, one, one, 16
-            )
-
-        out[f"triton.double_sparsity_extend[Lq={lq}]"] = _launch_tiles(sparse_fwd)
-    return out
-
-
-# name -> (probe, the fields it reports: all of them record the error if it raises)
-PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
-    "allreduce_fusion": (
-        probe_allreduce_fusion,
-        ("communicator.apply_flashinfer_allreduce_fusion",),
-    ),
-    "fp8_gemm": (probe_fp8_gemm, ("fp8_utils.dispatch_w8a8_block_fp8_linear",)),
-    "fp4_gemm": (probe_fp4_gemm, ("fp4_utils.fp4_gemm_runner_backend",)),
-    "deep_gemm": (probe_deep_gemm, tuple(f"deep_gemm.{f}" for f in DEEP_GEMM_FLAGS)),
-    "triton_tiles": (probe_triton_tiles, ()),
-}
+def platform_facts(arch: dict[str, Any]) -> dict[str, Any]:
+    """What sglang itself reads as the GPU; refuse to run if it is not the faked one."""
+    facts: dict[str, Any] = {}
+    common = importlib.import_module("sglang.srt.utils.common")
+    major, minor = arch["capability"]
+    facts["device_sm"] = common.get_device_sm()
+    if facts["device_sm"] != major * 10 + minor:
+        raise HarnessFailure(
+            f"sglang's get_device_sm() reads {facts['device_sm']}, the fake is "
+            f"{major}.{minor}: sglang reads the GPU somewhere the fakes do not reach"
+        )
+    for helper in ("is_sm90_supported", "is_sm100_supported", "is_sm120_supported"):
+        if hasattr(common, helper):
+            facts[helper] = bool(getattr(common, helper)())
+    if child_probes.module_exists("sglang.srt.runtime_context"):
+        context = importlib.import_module("sglang.srt.runtime_context")
+        if hasattr(context, "get_platform"):
+            platform = context.get_platform()
+            for fact in ("is_sm90", "is_sm100", "is_sm120", "is_blackwell"):
+                facts[f"get_platform().{fact}"] = bool(getattr(platform, fact))
+    return facts
 
 
 # --------------------------------------------------------------------------- scenarios
 
 
 def run_scenario(scenario: dict[str, Any]) -> Observation:
-    """Build ServerArgs for the scenario (if it names a model), then run its probes."""
+    """Build and resolve ServerArgs for the scenario (if it names a model), then probe."""
     environ = dict(os.environ)
     obs: Observation = {"error": None}
     server_args: Any = None
     try:
         if scenario.get("model_path"):
-            server_args_mod = _import("sglang.srt.server_args")
             try:
-                server_args = server_args_mod.ServerArgs(
-                    model_path=scenario["model_path"], **scenario.get("args", {})
+                server_args, values = build_server_args(
+                    scenario["model_path"], dict(scenario.get("args", {}))
                 )
+            except HarnessFailure:
+                raise
             except Exception as exc:
-                obs["error"] = describe(exc)["raises"]
+                obs["error"] = child_probes.describe(exc)["raises"]
                 return obs
             for name in SERVER_ARGS_FIELDS:
-                obs[name] = plain(getattr(server_args, name, MISSING))
+                obs[name] = child_probes.plain(values.get(name, MISSING))
             for key in sorted(set(os.environ) | set(environ)):
                 if os.environ.get(key) != environ.get(key) and key.startswith("SGLANG_"):
                     obs[f"env.{key}"] = os.environ.get(key)
         for probe_name in scenario.get("probes", []):
-            probe, fields = PROBES[probe_name]
-            try:
-                obs.update(probe(server_args))
-            except Exception as exc:
-                obs.update({field: describe(exc) for field in fields})
-                obs[f"probe.{probe_name}"] = describe(exc)
+            obs.update(child_probes.run_probe(probe_name, server_args))
         return obs
     finally:
         os.environ.clear()
@@ -322,8 +255,8 @@ def main(argv: list[str]) -> int:
 
     sglang_path = str(Path(request["sglang_path"]).resolve())
     sys.path.insert(0, sglang_path)
-    sglang = _import("sglang")
-    where = str(Path(sglang.__file__).resolve())
+    sglang = importlib.import_module("sglang")
+    where = str(Path(str(sglang.__file__)).resolve())
     if not where.startswith(sglang_path + os.sep):
         raise SystemExit(f"sglang imported from {where}, not from the tested tree {sglang_path}")
     meta["sglang_file"] = where
@@ -331,12 +264,20 @@ def main(argv: list[str]) -> int:
     meta["import_s"] = round(time.monotonic() - started, 2)
 
     scenarios: dict[str, Observation] = {}
-    for scenario in request["scenarios"]:
-        try:
-            scenarios[scenario["name"]] = run_scenario(scenario)
-        except Exception:
-            traceback.print_exc()
-            scenarios[scenario["name"]] = {"error": "harness: " + traceback.format_exc(limit=1)}
+    try:
+        meta["platform"] = platform_facts(request["arch"])
+        for scenario in request["scenarios"]:
+            try:
+                scenarios[scenario["name"]] = run_scenario(scenario)
+            except HarnessFailure:
+                raise
+            except Exception:
+                traceback.print_exc()
+                error = "harness: " + traceback.format_exc(limit=1)
+                scenarios[scenario["name"]] = {"error": error}
+    except HarnessFailure as exc:
+        print(f"gate harness: {meta['arch']}: {exc}", file=sys.stderr)
+        return HARNESS_FAILURE_EXIT
     meta["total_s"] = round(time.monotonic() - started, 2)
     Path(argv[2]).write_text(json.dumps({"meta": meta, "scenarios": scenarios}, indent=1))
     return 0

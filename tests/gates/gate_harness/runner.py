@@ -20,6 +20,7 @@ from . import fakes
 from .spec import CHILD_SCRIPT, Arch, Scenario
 
 CHILD_TIMEOUT_S = 600
+HARNESS_FAILURE_EXIT = 3  # child.HarnessFailure: resolution or fakes not seen to act
 
 
 class HarnessError(RuntimeError):
@@ -28,7 +29,7 @@ class HarnessError(RuntimeError):
 
 @dataclass(frozen=True)
 class Fakes:
-    lib_dir: Path  # holds the stand-in libcuda.so.1
+    lib_dir: Path  # holds the stand-ins libcuda.so.1 and libnvidia-ml.so.1
     bin_dir: Path  # holds the fake nvidia-smi
 
 
@@ -69,6 +70,7 @@ def prepare_fakes(python: str, scratch: Path, extra_roots: Sequence[Path] = ()) 
     roots = [*site_packages(python), *(r for r in extra_roots if r.is_dir())]
     try:
         lib_dir = fakes.build_libcuda(roots, scratch / "lib")
+        fakes.build_libnvidia_ml(lib_dir)
     except fakes.FakeBuildError as exc:
         raise HarnessError(str(exc)) from exc
     return Fakes(lib_dir=lib_dir, bin_dir=fakes.write_nvidia_smi(scratch / "bin"))
@@ -130,6 +132,9 @@ def _run_one(
         except subprocess.TimeoutExpired as exc:
             raise HarnessError(f"{arch.name} on {tree}: timed out; log {log}") from exc
     wall = time.monotonic() - started
+    if proc.returncode == HARNESS_FAILURE_EXIT:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
+        raise HarnessError(f"{arch.name} on {tree}: the harness cannot observe it:\n{tail}")
     if proc.returncode != 0 or not result.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         raise HarnessError(

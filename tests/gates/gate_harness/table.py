@@ -22,6 +22,12 @@ Observations = Mapping[str, Mapping[str, Observation]]
 NULL = "null"
 RAISES = "raises:"
 MISSING = "<missing>"
+# Observed values that say the harness could not see the decision: a probe whose
+# gate the release does not offer ("unavailable:<why>", child_probes.py) or a
+# harness crash in a scenario ("harness: <traceback>", child.py). They never count
+# as the difference that shows a patch row bites on a pristine tree.
+UNAVAILABLE = "unavailable:"
+HARNESS_ERROR = "harness:"
 _ROW_KEYS = {"scenario", "field", "gate", "patch", "note"}
 
 
@@ -62,8 +68,19 @@ class CellResult:
     observed: Cell | Raised
     ok: bool
 
+    @property
+    def blind(self) -> bool:
+        """The cell differs because the decision could not be observed at all."""
+        return not self.ok and unobservable(self.observed)
+
     def describe(self) -> str:
         return f"{self.arch}: expected {render(self.expected)}, observed {render(self.observed)}"
+
+
+def unobservable(observed: Cell | Raised) -> bool:
+    if isinstance(observed, Raised):
+        return observed.message.startswith(HARNESS_ERROR)
+    return isinstance(observed, str) and observed.startswith(UNAVAILABLE)
 
 
 def load_table(archs: Sequence[str], path: Path = EXPECTATIONS_FILE) -> Table:

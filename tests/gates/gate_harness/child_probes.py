@@ -1,0 +1,330 @@
+"""Child side of the gate harness: the probes, and the observation helpers they share.
+
+Loaded by ``child.py`` (standalone script; this directory is its ``sys.path[0]``):
+standard library and torch only, no imports from the harness package.
+
+A probe finds its gate by capability, not by release: the module that holds it
+(``_first_module``), the arguments its functions take (``inspect.signature``),
+the way ServerArgs reach it (passed in, or published first). When no known
+location offers the gate, every field of the probe reads ``unavailable:<why>``,
+a value no expectation matches by accident (table.py never counts it as a
+difference that tests a patch).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+Observation = dict[str, Any]
+Probe = Callable[[Any], Observation]
+
+MISSING = "<missing>"
+UNAVAILABLE = "unavailable:"
+DEEP_GEMM_FLAGS = ("ENABLE_JIT_DEEPGEMM", "DEEPGEMM_BLACKWELL", "DEEPGEMM_SCALE_UE8M0")
+
+
+class Unavailable(Exception):
+    """The tested release offers no equivalent of a probed gate; the message says why."""
+
+
+def describe(exc: BaseException) -> dict[str, str]:
+    """An observed error: ``{"raises": "<Type>: <first line of the message>"}``."""
+    lines = str(exc).strip().splitlines()
+    return {"raises": f"{type(exc).__name__}: {lines[0] if lines else ''}"}
+
+
+def plain(value: Any) -> Any:
+    """JSON-able, comparable form of an observed value."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if hasattr(value, "value") and isinstance(value.value, str):  # an Enum
+        return value.value
+    return str(value)
+
+
+def _import(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+def module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package is gone
+        return False
+
+
+def _first_module(candidates: Sequence[str], attr: str) -> tuple[str, Any]:
+    """The first of ``candidates`` that exists and defines ``attr`` (import errors raise)."""
+    lacking = []
+    for name in candidates:
+        if module_exists(name):
+            module = _import(name)
+            if hasattr(module, attr):
+                return name, module
+            lacking.append(name)
+    if lacking:
+        raise Unavailable(f"no {attr} in {', '.join(lacking)}")
+    raise Unavailable(f"no module {' or '.join(candidates)}")
+
+
+def _publish(server_args: Any) -> None:
+    """Install the scenario's ServerArgs as the process-wide config, as a scheduler does."""
+    sa_mod = _import("sglang.srt.server_args")
+    publish = getattr(sa_mod, "set_global_server_args_for_scheduler", None)
+    if publish is None:
+        raise Unavailable("sglang.srt.server_args has no set_global_server_args_for_scheduler")
+    publish(server_args)
+
+
+def _initialize(function: Callable[..., Any], server_args: Any) -> None:
+    """Call an ``initialize_*_config``: with the args, or after publishing them."""
+    if inspect.signature(function).parameters:
+        function(server_args)
+    else:
+        _publish(server_args)
+        function()
+
+
+def _function_name(value: Any) -> str:
+    """The name of a dispatched callable, looking through functools.partial."""
+    return str(getattr(getattr(value, "func", value), "__name__", value))
+
+
+# --------------------------------------------------------------------------- ServerArgs gates
+
+
+FUSION_GATES = (
+    ("sglang.srt.layers.communicator", "apply_flashinfer_allreduce_fusion"),
+    ("sglang.srt.layers.layer_boundary.residual.add_norm", "flashinfer_ar_fusion_applies"),
+)
+FUSION_BACKEND = ("sglang.srt.layers.flashinfer_comm_fusion",)
+FP8_UTILS = ("sglang.srt.layers.quantization.fp8_utils",)
+FP4_UTILS = ("sglang.srt.layers.quantization.fp4_utils",)
+
+
+def probe_allreduce_fusion(server_args: Any) -> Observation:
+    """Row 1: the runtime gate, asked with the scenario's ServerArgs installed.
+
+    The field keeps its 0.5.9 name; ``source.allreduce_fusion`` names the function
+    that answered (communicator.py up to 0.5.20, layer_boundary's add_norm.py later).
+    """
+    _publish(server_args)
+    for module_name, function_name in FUSION_GATES:
+        if module_exists(module_name):
+            gate = getattr(_import(module_name), function_name, None)
+            if gate is not None:
+                return {
+                    "communicator.apply_flashinfer_allreduce_fusion": bool(gate(128)),
+                    "source.allreduce_fusion": f"{module_name}.{function_name}",
+                    "flashinfer_comm_fusion.resolve_backend": _fusion_backend(),
+                }
+    raise Unavailable("no allreduce-fusion gate: " + ", ".join(".".join(g) for g in FUSION_GATES))
+
+
+def _fusion_backend() -> Any:
+    """The backend the workspace set-up resolves before CUDA-graph capture (later
+    releases: the fusion is configured by a backend field, checked only here)."""
+    try:
+        _, module = _first_module(FUSION_BACKEND, "resolve_flashinfer_allreduce_fusion_backend")
+    except Unavailable as exc:
+        return f"{UNAVAILABLE}{exc}"
+    try:
+        return plain(module.resolve_flashinfer_allreduce_fusion_backend())
+    except Exception as exc:
+        return describe(exc)
+
+
+def probe_fp8_gemm(server_args: Any) -> Observation:
+    """Row 10: which block-FP8 GEMM the dispatcher picks for the scenario's args."""
+    _, fp8_utils = _first_module(FP8_UTILS, "dispatch_w8a8_block_fp8_linear")
+    _initialize(fp8_utils.initialize_fp8_gemm_config, server_args)
+    chosen = fp8_utils.dispatch_w8a8_block_fp8_linear()
+    obs: Observation = {"fp8_utils.dispatch_w8a8_block_fp8_linear": _function_name(chosen)}
+    runner = getattr(fp8_utils, "get_fp8_gemm_runner_backend", None)
+    obs["fp8_utils.fp8_gemm_runner_backend"] = (
+        plain(runner()) if runner else f"{UNAVAILABLE}no get_fp8_gemm_runner_backend"
+    )
+    return obs
+
+
+def probe_fp4_gemm(server_args: Any) -> Observation:
+    """Row 12: the FP4 GEMM runner after fp4_utils has read the scenario's args."""
+    _, fp4_utils = _first_module(FP4_UTILS, "get_fp4_gemm_runner_backend")
+    _initialize(fp4_utils.initialize_fp4_gemm_config, server_args)
+    return {"fp4_utils.fp4_gemm_runner_backend": plain(fp4_utils.get_fp4_gemm_runner_backend())}
+
+
+# --------------------------------------------------------------------------- module-level gates
+
+DEEP_GEMM = ("sglang.srt.layers.deep_gemm_wrapper.configurer",)
+
+
+def probe_deep_gemm(_: Any) -> Observation:
+    """Row 11: DeepGEMM module flags, frozen at import."""
+    _, configurer = _first_module(DEEP_GEMM, "ENABLE_JIT_DEEPGEMM")
+    return {
+        f"deep_gemm.{flag}": plain(getattr(configurer, flag, MISSING)) for flag in DEEP_GEMM_FLAGS
+    }
+
+
+class _Launched(Exception):
+    """Control flow: carries the constants of the caught kernel launch."""
+
+    def __init__(self, constants: dict[str, Any]) -> None:
+        super().__init__("launch caught")
+        self.constants = constants
+
+
+def _caught_launch(call: Callable[[], Any]) -> str:
+    """Run ``call`` until its first Triton launch; return that launch's BLOCK_MxBLOCK_N."""
+    jit = _import("triton.runtime.jit")
+    original = jit.JITFunction.run
+
+    def catch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _Launched(kwargs)
+
+    jit.JITFunction.run = catch
+    try:
+        call()
+    except _Launched as launched:
+        return f"{launched.constants.get('BLOCK_M')}x{launched.constants.get('BLOCK_N')}"
+    finally:
+        jit.JITFunction.run = original
+    return "no launch"
+
+
+def _launch_tiles(call: Callable[[], Any]) -> Any:
+    """BLOCK_MxBLOCK_N of ``call``'s first Triton launch, or the error raised before it."""
+    try:
+        return _caught_launch(call)
+    except Unavailable as exc:
+        return f"{UNAVAILABLE}{exc}"
+    except Exception as exc:
+        return describe(exc)
+
+
+def _call_by_name(function: Callable[..., Any], known: Mapping[str, Any]) -> Any:
+    """Call ``function`` with the ``known`` arguments it declares; refuse unknown required ones."""
+    params = inspect.signature(function).parameters
+    unknown = [
+        name
+        for name, p in params.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and name not in known
+    ]
+    if unknown:
+        raise Unavailable(f"{function.__qualname__} requires unknown arguments {unknown}")
+    return function(**{name: value for name, value in known.items() if name in params})
+
+
+TRITON_OPS = "sglang.srt.layers.attention.triton_ops"  # 0.5.9
+KERNEL_OPS = "sglang.kernels.ops.attention"  # 0.5.23 (double sparsity is gone there)
+EXTEND = (f"{TRITON_OPS}.extend_attention", f"{KERNEL_OPS}.extend_attention")
+PREFILL = (f"{TRITON_OPS}.prefill_attention", f"{KERNEL_OPS}.prefill_attention")
+DOUBLE_SPARSITY = (f"{TRITON_OPS}.double_sparsity_attention",)
+
+
+def _tiles_of(candidates: Sequence[str], function: str, call: Callable[[Any], Any]) -> Any:
+    try:
+        _, module = _first_module(candidates, function)
+    except Unavailable as exc:
+        return f"{UNAVAILABLE}{exc}"
+    return _launch_tiles(lambda: call(getattr(module, function)))
+
+
+def probe_triton_tiles(_: Any) -> Observation:
+    """Row 13: Triton attention tile sizes chosen from CUDA_CAPABILITY (meta tensors)."""
+    torch = _import("torch")
+
+    def meta(*shape: int, dtype: Any = None) -> Any:
+        return torch.empty(*shape, device="meta", dtype=dtype or torch.bfloat16)
+
+    def idx(*shape: int) -> Any:
+        return meta(*shape, dtype=torch.int32)
+
+    out: Observation = {}
+    for lq, lv in ((128, 128), (192, 128), (576, 512)):
+
+        def extend_fwd(fwd: Callable[..., Any], lq: int = lq, lv: int = lv) -> Any:
+            q, o, kbuf, vbuf = meta(16, 8, lq), meta(16, 8, lv), meta(64, 8, lq), meta(64, 8, lv)
+            indptr, indices = idx(2), idx(16)
+            args = {
+                "q_extend": q,
+                "k_extend": q,
+                "v_extend": o,
+                "o_extend": o,
+                "k_buffer": kbuf,
+                "v_buffer": vbuf,
+                "qo_indptr": indptr,
+                "kv_indptr": indptr,
+                "kv_indices": indices,
+                "custom_mask": None,
+                "is_causal": True,
+                "mask_indptr": None,
+                "max_len_extend": 16,
+                "k_scale": 1.0,
+                "v_scale": 1.0,
+            }
+            return _call_by_name(fwd, args)
+
+        out[f"triton.extend_attention[Lq={lq}]"] = _tiles_of(
+            EXTEND, "extend_attention_fwd", extend_fwd
+        )
+
+    for lk in (128, 256):
+
+        def prefill_fwd(fwd: Callable[..., Any], lk: int = lk) -> Any:
+            x = meta(16, 8, lk)
+            return fwd(x, x, x, x, idx(1), idx(1), 16)
+
+        out[f"triton.prefill_attention[Lk={lk}]"] = _tiles_of(
+            PREFILL, "context_attention_fwd", prefill_fwd
+        )
+
+    for lq in (128, 256):
+
+        def sparse_fwd(fwd: Callable[..., Any], lq: int = lq) -> Any:
+            x, buf = meta(16, 8, lq), meta(64, 8, lq)
+            one = idx(1)
+            return fwd(x, x, x, x, buf, buf, idx(1, 64), one, one, one, one, 16)
+
+        out[f"triton.double_sparsity_extend[Lq={lq}]"] = _tiles_of(
+            DOUBLE_SPARSITY, "extend_attention_fwd", sparse_fwd
+        )
+    return out
+
+
+# name -> (probe, the fields it reports: all of them record the error if it raises)
+PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
+    "allreduce_fusion": (
+        probe_allreduce_fusion,
+        (
+            "communicator.apply_flashinfer_allreduce_fusion",
+            "flashinfer_comm_fusion.resolve_backend",
+        ),
+    ),
+    "fp8_gemm": (
+        probe_fp8_gemm,
+        ("fp8_utils.dispatch_w8a8_block_fp8_linear", "fp8_utils.fp8_gemm_runner_backend"),
+    ),
+    "fp4_gemm": (probe_fp4_gemm, ("fp4_utils.fp4_gemm_runner_backend",)),
+    "deep_gemm": (probe_deep_gemm, tuple(f"deep_gemm.{f}" for f in DEEP_GEMM_FLAGS)),
+    "triton_tiles": (probe_triton_tiles, ()),
+}
+
+
+def run_probe(name: str, server_args: Any) -> Observation:
+    """One probe's fields; an error or an unavailable gate is recorded in each of them."""
+    probe, fields = PROBES[name]
+    try:
+        return probe(server_args)
+    except Unavailable as exc:
+        why = f"{UNAVAILABLE}{exc}"
+        return {**dict.fromkeys(fields, why), f"probe.{name}": why}
+    except Exception as exc:
+        return {**{field: describe(exc) for field in fields}, f"probe.{name}": describe(exc)}

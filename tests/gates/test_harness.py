@@ -1,0 +1,146 @@
+"""The harness's own guards, without torch: resolution detection, blind cells, Markdown.
+
+A release whose ServerArgs decides nothing where the harness looks must fail the run,
+not pass every row (0.5.23 decides in resolve_once(), read through resolved_dict()).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from .gate_harness import child, report, table
+
+
+@dataclasses.dataclass
+class PostInitArgs:
+    """0.5.9 style: decides in __post_init__."""
+
+    model_path: str
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        self.attention_backend = "flashinfer"
+
+
+@dataclasses.dataclass
+class InertArgs:
+    """Decides nothing at construction and offers no resolve_once()."""
+
+    model_path: str
+    attention_backend: str | None = None
+
+
+class ResolveOnceArgs:
+    """0.5.23 style: raw attributes stay as given; decisions only in resolved_dict()."""
+
+    decide: ClassVar[dict[str, Any]] = {"attention_backend": "flashinfer"}
+
+    def __init__(self, model_path: str, **kwargs: Any) -> None:
+        self.model_path = model_path
+        self.attention_backend = kwargs.get("attention_backend")
+        self._decided: dict[str, Any] = {}
+
+    def resolve_once(self) -> None:
+        if self.model_path == "raise":
+            raise ValueError("TRTLLM MLA backend is only supported on Blackwell")
+        self._decided = dict(self.decide)
+
+    def resolved_dict(self) -> dict[str, Any]:
+        return {"attention_backend": self.attention_backend, **self._decided}
+
+
+class NoOpResolveArgs(ResolveOnceArgs):
+    decide: ClassVar[dict[str, Any]] = {}
+
+
+class NoDictArgs:
+    def __init__(self, model_path: str) -> None:
+        self.attention_backend: str | None = None
+
+    def resolve_once(self) -> None:
+        self.attention_backend = "flashinfer"
+
+
+@pytest.fixture
+def server_args_class(monkeypatch: pytest.MonkeyPatch) -> Any:
+    def install(cls: type) -> None:
+        module = types.ModuleType("sglang.srt.server_args")
+        module.ServerArgs = cls  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "sglang.srt.server_args", module)
+
+    return install
+
+
+def test_post_init_release_is_read_from_attributes(server_args_class: Any) -> None:
+    server_args_class(PostInitArgs)
+    _, values = child.build_server_args("m", {})
+    assert values["attention_backend"] == "flashinfer"
+
+
+def test_resolve_once_release_is_read_from_resolved_dict(server_args_class: Any) -> None:
+    server_args_class(ResolveOnceArgs)
+    server_args, values = child.build_server_args("m", {})
+    assert values["attention_backend"] == "flashinfer"
+    assert server_args.attention_backend is None  # what a naive harness would have read
+
+
+@pytest.mark.parametrize(
+    ("cls", "says"),
+    [
+        (InertArgs, "resolution is unavailable or a no-op"),
+        (NoOpResolveArgs, "resolution is unavailable or a no-op"),
+        (NoDictArgs, "no resolved_dict()"),
+    ],
+)
+def test_unseen_resolution_fails_the_run(server_args_class: Any, cls: type, says: str) -> None:
+    server_args_class(cls)
+    with pytest.raises(child.HarnessFailure, match=says.replace("(", r"\(").replace(")", r"\)")):
+        child.build_server_args("m", {})
+    with pytest.raises(child.HarnessFailure):
+        child.run_scenario({"name": "s", "model_path": "m", "args": {}, "probes": []})
+
+
+def test_resolution_error_is_an_observation(server_args_class: Any) -> None:
+    server_args_class(ResolveOnceArgs)
+    obs = child.run_scenario({"name": "s", "model_path": "raise", "args": {}, "probes": []})
+    assert obs == {"error": "ValueError: TRTLLM MLA backend is only supported on Blackwell"}
+
+
+def test_unavailable_and_harness_cells_are_blind() -> None:
+    row = table.Row(1, "s", "f", None, "x.patch", {"sm120": "64x64", "sm90": "128x64"})
+    observations: table.Observations = {
+        "sm120": {"s": {"error": None, "f": "unavailable:no module m"}},
+        "sm90": {"s": {"error": "harness: Traceback"}},
+    }
+    cells = table.check_row(row, observations)
+    assert [c.blind for c in cells] == [True, True]
+    expected_unavailable = table.Row(2, "s", "f", None, None, {"sm120": "unavailable:no module m"})
+    assert [c.ok for c in table.check_row(expected_unavailable, observations)] == [True]
+
+
+def test_markdown_footnotes_errors_and_omits_missing_fields() -> None:
+    observations: table.Observations = {
+        "sm90": {"s": {"error": "ValueError: no", "f": "<missing>"}},
+        "sm120": {"s": {"error": None, "f": "<missing>", "g": "x|y", "env.SGLANG_A": "0"}},
+    }
+    text = report.markdown(observations, ["sm90", "sm120"])
+    assert "| error | E1 | null |" in text
+    assert "| g | - | `x\\|y` |" in text
+    assert "- E1: raises `ValueError: no`" in text
+    assert "not in this release (`<missing>`): f" in text
+    assert "same on every architecture (omitted): env.SGLANG_A" in text
+
+
+def test_child_stays_a_standalone_script() -> None:
+    """runner.py runs child.py as a script: it may load only its sibling child_probes."""
+    here = Path(child.__file__).parent
+    relative = re.compile(r"^\s*from \.(\S*) import (.+)$", re.MULTILINE)
+    assert relative.findall((here / "child.py").read_text()) == [("", "child_probes")]
+    assert relative.findall((here / "child_probes.py").read_text()) == []
