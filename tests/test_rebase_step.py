@@ -67,3 +67,17 @@ def test_step_conflict_at_an_intermediate_release(request: pytest.FixtureRequest
     assert [s["status"] for s in patch["steps"]] == ["merged", "clean"]
     assert fork.read(f"vendor/sglang/{SA}") == v11[SA]
     assert "+x_25 = 'both'" in fork.read("patches/0001-a.patch")
+
+
+def test_dry_run_step_names_the_release_of_a_conflict_not_the_target(
+    request: pytest.FixtureRequest,
+) -> None:
+    v10 = edited(BASE, (SA, "x_25 = 25\n", "x_25 = 'upstream'\n"))
+    v11 = edited(v10, (SA, "x_70 = 70\n", "x_70 = 'upstream'\n"))
+    versions = {"v0.5.9": BASE, "v0.5.10": v10, "v0.5.11": v11}
+    fork = make_rebase_fork(request, versions, SERIES[:1])
+    result = fork.rebase("v0.5.11", "--step", "--dry-run")
+    assert result.returncode == 1, result.stderr
+    [patch] = fork.report()["patches"]
+    assert (patch["status"], patch["first_break"]) == ("conflict", "0.5.10")
+    assert [(s["version"], s["status"]) for s in patch["steps"]] == [("0.5.10", "conflict")]

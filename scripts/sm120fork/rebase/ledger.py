@@ -36,6 +36,8 @@ def first_break(steps: tuple[StepResult, ...]) -> tuple[str, str] | None:
             return step.version, f"first re-applied by intent at {step.version}"
         if step.status == "upstreamed":
             return step.version, f"went upstream at {step.version}"
+        if step.status == "conflict":
+            return step.version, f"first conflicted at {step.version}"
     return None
 
 
@@ -47,10 +49,18 @@ def record(state: RebaseState, index: int, outcome: Outcome) -> RebaseState:
         found = first_break(patch.steps)
         headline = found[1] if found else f"first conflicted at {version}"
         detail = f"{headline}; {outcome.detail}" if state.step_mode else outcome.detail
+        # The conflict is a step too: --step names the release where it happened.
+        steps = (*patch.steps, StepResult(version, "conflict", False))
         return state.with_patch(
-            index, replace(patch, status="conflict", detail=detail, conflicts=outcome.conflicts)
+            index,
+            replace(
+                patch, status="conflict", detail=detail, conflicts=outcome.conflicts, steps=steps
+            ),
         )
-    steps = (*patch.steps, StepResult(version, outcome.status, patch.status == "conflict"))
+    earlier = patch.steps
+    if earlier and earlier[-1].status == "conflict" and earlier[-1].version == version:
+        earlier = earlier[:-1]  # resolved by hand: this result replaces the conflict
+    steps = (*earlier, StepResult(version, outcome.status, patch.status == "conflict"))
     found = first_break(steps)
     carried = replace(
         patch,
