@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper
 
 from sm120fork.intent.model import Intent
 from sm120fork.intent.rewrite import GateMatch, IntentError, find_gates, rewrite_gate
@@ -30,13 +29,13 @@ def reapply(
             continue
         searched.append(path)
         try:
-            wrapper = MetadataWrapper(cst.parse_module(text))
+            module = cst.parse_module(text)
         except cst.ParserSyntaxError:
             continue
-        matches = find_gates(wrapper, intent)
+        matches = find_gates(module, intent)
         if not matches:
             continue
-        return _resolve(intent, path, wrapper.module, matches)
+        return _resolve(intent, path, module, matches)
     where = ", ".join(searched) or "no file naming the anchor"
     return Reapplied(
         "not-found",

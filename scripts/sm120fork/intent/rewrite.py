@@ -10,11 +10,9 @@ arch), and each switched choice becomes `(new if <sibling> else old)`.
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, ParentNodeProvider
 
 from sm120fork.errors import FatalError
 from sm120fork.intent.archexpr import admits, arch_terms, helper_name
@@ -45,41 +43,43 @@ def _strings(node: cst.CSTNode) -> set[str]:
     return found
 
 
-def _headers_above(
-    node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]
-) -> list[cst.CSTNode]:
-    """The headers (if tests, decorators) of the blocks whose bodies enclose `node`."""
-    headers: list[cst.CSTNode] = []
-    child, parent = node, parents.get(node)
-    while parent is not None:
-        if isinstance(parent, cst.If) and child is parent.body:
-            headers.append(parent.test)
-        elif isinstance(parent, cst.FunctionDef | cst.ClassDef) and child is parent.body:
-            headers.extend(parent.decorators)
-        child, parent = parent, parents.get(parent)
-    return headers
-
-
-def find_gates(wrapper: MetadataWrapper, intent: Intent) -> list[GateMatch]:
-    parents = wrapper.resolve(ParentNodeProvider)
+def find_gates(module: cst.Module, intent: Intent) -> list[GateMatch]:
     matches: list[GateMatch] = []
     first_old = intent.switches[0].old if intent.switches else None
 
     class Finder(cst.CSTVisitor):
+        """Keeps the strings of the headers of the blocks whose bodies it is inside."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.headers: list[set[str]] = []
+
+        def visit_If_body(self, node: cst.If) -> None:
+            self.headers.append(_strings(node.test))
+
+        def leave_If_body(self, node: cst.If) -> None:
+            self.headers.pop()
+
+        def visit_FunctionDef_body(self, node: cst.FunctionDef) -> None:
+            self.headers.append(set().union(*(_strings(d) for d in node.decorators)))
+
+        def leave_FunctionDef_body(self, node: cst.FunctionDef) -> None:
+            self.headers.pop()
+
         def visit_If(self, node: cst.If) -> None:
             terms = [t for t in arch_terms(node.test) if admits(t, intent.gate_admits)]
             if not terms:
                 return
             if first_old is not None and first_old not in _strings(node.body):
                 return
-            if not any(intent.anchor in _strings(h) for h in _headers_above(node, parents)):
+            if not any(intent.anchor in header for header in self.headers):
                 return
             included = admits(node.test, intent.include) is True or any(
                 admits(t, intent.include) for t in arch_terms(node.test)
             )
             matches.append(GateMatch(node, terms[0], included))
 
-    wrapper.module.visit(Finder())
+    module.visit(Finder())
     return matches
 
 

@@ -1,0 +1,151 @@
+"""Benchmark the fork's tools against the standard tools doing the same work on
+the same real upstream inputs, as ratios of medians from one run.
+
+    nox -s bench [-- --runs 5 --rebase-runs 3 --with-tests --only apply gates]
+    PYTHONPATH=scripts python benchmarks/bench.py ...   (needs GNU quilt, `wheel`)
+
+Rows (see bench_series.py and bench_upstream.py for what each side does):
+apply the series (vs `cp -a` + `quilt push -a`), carry it 0.5.9 -> 0.5.10 (vs
+`git am -3` by hand), the gate inventory of 0.5.23 (vs `grep -rn`), the wheel
+of 0.5.9 and 0.5.23 (vs `wheel unpack` + `wheel pack`), and the test suite
+(only with --with-tests; otherwise the last measured value, marked so). Then
+how apply and check grow with synthetic series of --sizes patches.
+
+Every side runs as fresh processes, ours and the baseline interleaved, after
+one untimed warm-up each (page cache, bytecode). Set-up (downloads through pip
+and its cache, imports, temp repos) is not timed. Writes
+build/bench/results.json and results.md and prints the Markdown. Exits 0
+whether or not a target is met: this is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_series
+import bench_upstream
+from bench_common import PROJECT, Row, describe, machine, table
+
+GROUPS = ("apply", "rebase", "gates", "wheel", "growth")
+OUT = PROJECT / "build" / "bench"
+
+
+def _say(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[dict[str, Any]]]:
+    rows: list[Row] = []
+    growth: list[dict[str, Any]] = []
+    chosen = set(args.only)
+    newest: Path | None = None
+
+    def sub(name: str) -> Path:
+        path = scratch / name
+        path.mkdir(parents=True)
+        return path
+
+    if chosen & {"gates", "wheel"}:
+        newest = bench_upstream.newest_fork(sub("newest"))
+    if "apply" in chosen:
+        _say("apply: the project's series, ours vs quilt")
+        rows.append(bench_series.apply_row(args.runs, sub("apply")))
+    if "rebase" in chosen:
+        _say(f"rebase: 0.5.9 -> {bench_upstream.REBASE_TO}, {args.rebase_runs} runs a side")
+        rows.append(bench_upstream.rebase_row(args.rebase_runs, sub("rebase")))
+    if "gates" in chosen and newest is not None:
+        _say(f"gates: sglang {bench_upstream.NEWEST}, ours vs grep")
+        rows.append(bench_upstream.gates_row(args.runs, newest, sub("gates")))
+    if "wheel" in chosen and newest is not None:
+        pinned = bench_upstream.project_wheel_repo(sub("wheel-pinned"))
+        for repo, label in ((pinned, "the pinned release"), (newest, bench_upstream.NEWEST)):
+            _say(f"wheel: {label}, ours vs wheel unpack + pack")
+            rows.append(bench_upstream.wheel_row(args.runs, repo, label, sub(label)))
+    if "growth" in chosen:
+        _say(f"growth: synthetic series of {args.sizes} patches")
+        growth = bench_series.growth(args.runs, args.sizes, sub("growth"))
+    return rows, growth
+
+
+def previous_tests() -> dict[str, Any] | None:
+    try:
+        old = json.loads((OUT / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    found = [r for r in old.get("rows", []) if r.get("what") == "whole test suite"]
+    return found[0] if found else None
+
+
+def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], runs: str) -> str:
+    parts = [
+        f"Measured {datetime.date.today()} on {describe(info)}; load average "
+        f"{info['load_1min_at_start']} at the start. {runs}; ratio = our median / "
+        "the baseline's median, both sides as fresh processes, interleaved.",
+        "",
+        table(rows),
+    ]
+    if growth:
+        parts += [
+            "",
+            "How apply and check grow (synthetic series: one-line patches on different "
+            "real files of vendor/sglang, normal form):",
+            "",
+            bench_series.growth_table(growth),
+        ]
+    return "\n".join(parts) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="timed runs a side (default 5)")
+    parser.add_argument("--rebase-runs", type=int, default=3, help="for the rebase (default 3)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10, 50, 200])
+    parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS))
+    parser.add_argument("--with-tests", action="store_true", help="also time `nox -s tests`")
+    args = parser.parse_args()
+    info = machine()
+    started = time.perf_counter()
+    previous = previous_tests()
+    with tempfile.TemporaryDirectory(prefix="sm120-bench-") as tmp:
+        rows, growth = measure(args, Path(tmp))
+    measured = time.perf_counter() - started
+    if args.with_tests:
+        rows.append(bench_upstream.measure_tests())
+    elif (tests := bench_upstream.tests_row(previous)) is not None:
+        rows.append(tests)
+    elapsed = time.perf_counter() - started
+    runs = f"Medians of {args.runs} runs a side ({args.rebase_runs} for the rebase)"
+    markdown = render(info, rows, growth, runs)
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "machine": info,
+        "runs": args.runs,
+        "rebase_runs": args.rebase_runs,
+        "bench_wall_s": round(elapsed, 1),
+        "bench_wall_s_without_tests": round(measured, 1),
+        "rows": [row.to_json() for row in rows],
+        "growth": growth,
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (OUT / "results.md").write_text(markdown)
+    print(markdown)
+    print(
+        f"benchmark wall time {elapsed:.0f} s ({measured:.0f} s without the test suite); "
+        f"results in {OUT / 'results.json'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

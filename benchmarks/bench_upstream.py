@@ -1,0 +1,191 @@
+"""The rows on other upstream releases: carrying the series to 0.5.10, the gate
+inventory of 0.5.23, and the wheel of 0.5.9 and 0.5.23.
+
+The measuring code of the single-purpose benchmarks is reused, not copied:
+rebase_step.py's set-up and both of its routes, wheel_bench.py's fork repo of
+the project's series, gate_scan.py's `grep`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from bench_common import PROJECT, Row, compare, fresh, run, timed, tool, tool_env
+
+REBASE_TO = "0.5.10"
+NEWEST = "0.5.23"
+
+
+def rebase_row(runs: int, scratch: Path) -> Row:
+    import rebase_step
+
+    fork, remote, old = rebase_step.setup(scratch, REBASE_TO)
+    found: dict[str, object] = {}
+
+    def ours() -> float:
+        elapsed, found["tool"] = rebase_step.by_tool(fork, remote, REBASE_TO)
+        return elapsed
+
+    def by_hand() -> float:
+        elapsed, found["git am -3 failed on"] = rebase_step.by_hand(scratch, remote, old, REBASE_TO)
+        return elapsed
+
+    # No warm-up: the set-up has just read every input, and a run takes ~30 s.
+    mine, theirs = compare(runs, ours, by_hand, warmup=False)
+    return Row(
+        what=f"carry the series one release ({old} -> {REBASE_TO})",
+        ours="`rebase --dry-run` (from a local git remote)",
+        baseline="clone + `git am` + `format-patch` + `git am -3` (+ `--skip`) + `format-patch`",
+        ours_s=tuple(mine),
+        baseline_s=tuple(theirs),
+        target_ratio=3.0,
+        extra={"found": found},
+    )
+
+
+def newest_fork(scratch: Path) -> Path:
+    """A fork repo pinning the newest release with an empty series (`sm120fork import`)."""
+    root = scratch / f"fork-{NEWEST}"
+    (root / "patches").mkdir(parents=True)
+    (root / "patches" / "series").write_text("")
+    (root / "CHANGELOG.md").write_text(f"## {NEWEST}+sm120.1 - 2026-11-29\n")
+    print(f"bench: importing sglang {NEWEST} (not timed)", file=sys.stderr, flush=True)
+    run(tool("-C", root, "import", NEWEST), env=tool_env())
+    return root
+
+
+def gates_row(runs: int, fork: Path, scratch: Path) -> Row:
+    from gate_scan import grep
+
+    tree = fork / "vendor" / "sglang"
+    package = tree / "python" / "sglang"
+    out = scratch / "gates-out"
+    command = tool("-C", PROJECT, "gates", "--tree", tree, "--out", out)
+    found: dict[str, object] = {}
+
+    def ours() -> float:
+        fresh(out)
+        # Exit 1: upstream's newest release has gates the 0.5.9 policy never reviewed.
+        return timed(command, env=tool_env(), ok=(0, 1))
+
+    def floor() -> float:
+        start = time.perf_counter()
+        found["grep lines, files"] = grep(package)
+        return time.perf_counter() - start
+
+    mine, theirs = compare(runs, ours, floor)
+    return Row(
+        what=f"gate inventory of the newest release ({NEWEST})",
+        ours="`sm120fork gates --tree` (scan, evaluate, policy, reports)",
+        baseline="`grep -rnE` of the helper names (gate_scan.py's; the read floor)",
+        ours_s=tuple(mine),
+        baseline_s=tuple(theirs),
+        target_ratio=5.0,
+        limit_s=5.0,
+        extra={"grep_found": found.get("grep lines, files")},
+    )
+
+
+def wheel_row(runs: int, repo: Path, label: str, scratch: Path) -> Row:
+    """`sm120fork wheel` against `wheel unpack` + `wheel pack` of the same upstream wheel."""
+    cache = scratch / "wheel-cache"
+    dist = scratch / "dist"
+    build = tool("-C", repo, "wheel", "--cache", cache, "--dist", dist)
+    print(f"bench: fetching the upstream wheel of {label} (not timed)", file=sys.stderr, flush=True)
+    run(build, env=tool_env())
+    (upstream,) = cache.glob("*.whl")
+    (built,) = dist.glob("*.whl")
+
+    def ours() -> float:
+        fresh(dist)
+        return timed(build, env=tool_env())
+
+    def unpack_pack() -> float:
+        unpacked, packed = fresh(scratch / "unpacked"), fresh(scratch / "packed")
+        packed.mkdir(parents=True)
+        start = time.perf_counter()
+        run([sys.executable, "-m", "wheel", "unpack", "-d", unpacked, upstream])
+        (tree,) = unpacked.iterdir()
+        run([sys.executable, "-m", "wheel", "pack", "-d", packed, tree])
+        return time.perf_counter() - start
+
+    # The fetching build above was ours' warm-up and read the upstream wheel into the cache.
+    mine, theirs = compare(runs, ours, unpack_pack, warmup=False)
+    size = upstream.stat().st_size / 1e6
+    return Row(
+        what=f"rebuild the wheel of {label} ({size:.0f} MB)",
+        ours="`sm120fork wheel`",
+        baseline="`wheel unpack` + `wheel pack` of the upstream wheel",
+        ours_s=tuple(mine),
+        baseline_s=tuple(theirs),
+        target_ratio=1.5,
+        extra={"upstream_wheel": upstream.name, "built": built.name},
+    )
+
+
+def project_wheel_repo(scratch: Path) -> Path:
+    """The project's lock, CHANGELOG and series in a temporary repo (wheel_bench.py's)."""
+    from wheel_bench import make_repo
+
+    repo, _ = make_repo(scratch / "fork-pinned")
+    return repo
+
+
+def tests_row(previous: dict[str, object] | None) -> Row | None:
+    """`nox -s tests` once (`--with-tests`), else the last measured value, marked."""
+    if previous is None:
+        return None
+    return Row(
+        what="whole test suite",
+        ours="`nox -s tests` (session reused)",
+        baseline="-",
+        ours_s=(float(str(previous["ours_median_s"])),),
+        limit_s=600.0,
+        note=(
+            f"NOT measured in this run: the value of {previous.get('measured_at', 'earlier')}"
+            f" ({previous.get('outcome', 'outcome unknown')}); `-- --with-tests` measures it"
+        ),
+        extra={
+            "measured_at": previous.get("measured_at"),
+            "measured_now": False,
+            "exit_code": previous.get("exit_code"),
+            "outcome": previous.get("outcome"),
+        },
+    )
+
+
+def measure_tests() -> Row:
+    """One run of `nox -s tests` as a maintainer runs it: outside this session's venv."""
+    import datetime
+    import os
+    import shutil
+
+    env = dict(os.environ)
+    venv = env.pop("VIRTUAL_ENV", None)
+    if venv:
+        inside = str(Path(venv) / "bin")
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != inside)
+    nox = shutil.which("nox", path=env["PATH"])
+    argv = [nox] if nox else [sys.executable, "-m", "nox"]
+    print("bench: running `nox -s tests` (minutes)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    done = run([*argv, "-s", "tests"], cwd=PROJECT, env=env, ok=range(256))
+    elapsed = time.perf_counter() - start
+    outcome = "passed" if done.returncode == 0 else f"FAILED (exit {done.returncode})"
+    return Row(
+        what="whole test suite",
+        ours="`nox -s tests` (session reused)",
+        baseline="-",
+        ours_s=(elapsed,),
+        limit_s=600.0,
+        note=f"one run, {outcome}",
+        extra={
+            "measured_at": datetime.date.today().isoformat(),
+            "measured_now": True,
+            "exit_code": done.returncode,
+            "outcome": outcome,
+            "tail": done.stdout[-1500:],
+        },
+    )
