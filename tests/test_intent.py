@@ -7,37 +7,11 @@ from pathlib import Path
 
 import pytest
 from forkrepo import edit, make_fork, make_patch
+from intentcase import INTENT, INTENTS_TOML, WITH_DEEPSEEK
 from sm120fork.cli import main
-from sm120fork.intent.model import Intent, Switch
 from sm120fork.intent.reapply import reapply
 
-INTENT = Intent(
-    patch="0001-glm.patch",
-    says="Glm4Moe on SM12x: quant auto-detect and flashinfer_cutlass",
-    anchor="Glm4MoeForCausalLM",
-    gate_admits="sm100",
-    include="sm120",
-    switches=(Switch("flashinfer_trtllm", "flashinfer_cutlass"),),
-    files=("python/sglang/srt/server_args.py",),
-)
-
-ORIGINAL = textwrap.dedent("""\
-    from sglang.srt.utils import (
-        is_hip,
-        is_sm100_supported,
-    )
-
-
-    class ServerArgs:
-        def _handle_model_specific_adjustments(self, model_arch):
-            if model_arch in ["DeepseekV3ForCausalLM"]:
-                if is_sm100_supported():
-                    self.moe_runner_backend = "flashinfer_trtllm"
-            elif model_arch in ["Glm4MoeForCausalLM"]:
-                if is_sm100_supported():
-                    self.quantization = "modelopt_fp4"  # auto-detected
-                    self.moe_runner_backend = "flashinfer_trtllm"
-""")
+ORIGINAL = WITH_DEEPSEEK
 
 
 def run(files: dict[str, str]) -> tuple[str, str, dict[str, str]]:
@@ -126,20 +100,6 @@ def test_cached_flag_without_a_sibling_flag_uses_the_helper() -> None:
     new = changes["python/sglang/srt/server_args.py"]
     assert "if (_is_sm100_supported and self.x) or is_sm120_supported():" in new
     assert "is_sm120_supported,\n" in new
-
-
-INTENTS_TOML = """\
-[[intent]]
-patch = "0001-glm.patch"
-says = "Glm4Moe on SM12x: quant auto-detect and flashinfer_cutlass"
-anchor = "Glm4MoeForCausalLM"
-gate_admits = "sm100"
-include = "sm120"
-files = ["python/sglang/srt/server_args.py"]
-[[intent.switch]]
-old = "flashinfer_trtllm"
-new = "flashinfer_cutlass"
-"""
 
 
 def _fork_with_recipe_patch(root: Path) -> None:

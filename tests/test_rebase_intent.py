@@ -6,47 +6,13 @@ import textwrap
 
 import pytest
 from forkrepo import edit
-from rebasefork import SA, RebaseFork, make_rebase_fork
+from intentcase import GLM_ONLY, INTENT, INTENTS_TOML, SA
+from rebasefork import RebaseFork, make_rebase_fork
 from sm120fork import gitcmd
 from sm120fork.cli import main
-from sm120fork.intent.model import Intent, Switch
 from sm120fork.intent.reapply import reapply
 
-ORIGINAL = textwrap.dedent("""\
-    from sglang.srt.utils import (
-        is_hip,
-        is_sm100_supported,
-    )
-
-
-    class ServerArgs:
-        def _handle_model_specific_adjustments(self, model_arch):
-            if model_arch in ["Glm4MoeForCausalLM"]:
-                if is_sm100_supported():
-                    self.quantization = "modelopt_fp4"  # auto-detected
-                    self.moe_runner_backend = "flashinfer_trtllm"
-""")
-INTENT = Intent(
-    patch="0001-glm.patch",
-    says="Glm4Moe on SM12x: quant auto-detect and flashinfer_cutlass",
-    anchor="Glm4MoeForCausalLM",
-    gate_admits="sm100",
-    include="sm120",
-    switches=(Switch("flashinfer_trtllm", "flashinfer_cutlass"),),
-    files=(SA,),
-)
-INTENTS_TOML = f"""\
-[[intent]]
-patch = "{INTENT.patch}"
-says = "{INTENT.says}"
-anchor = "Glm4MoeForCausalLM"
-gate_admits = "sm100"
-include = "sm120"
-files = ["{SA}"]
-[[intent.switch]]
-old = "flashinfer_trtllm"
-new = "flashinfer_cutlass"
-"""
+ORIGINAL = GLM_ONLY
 # 0.5.10 reformats the gate the patch rewrites: the 3-way merge conflicts there.
 REFORMATTED = edit(
     ORIGINAL,
