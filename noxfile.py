@@ -24,7 +24,7 @@ nox.options.default_venv_backend = "venv"
 PYTHON = "3.11"
 TOOL = ["python", "-m", "sm120fork"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
-LINT_DEPS = ["ruff", "mypy", "pytest>=8", "hypothesis>=6", "nox"]
+LINT_DEPS = ["ruff", "mypy", "pytest>=8", "hypothesis>=6", "nox", "check-jsonschema"]
 
 
 def _install_tool(session: nox.Session) -> None:
@@ -64,6 +64,8 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "scripts", "tests", "noxfile.py", "benchmarks")
     session.run("ruff", "format", "--check", "scripts", "tests", "noxfile.py", "benchmarks")
     session.run("mypy")
+    workflows = sorted(str(p) for p in Path(".github/workflows").glob("*.yml"))
+    session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
 
 
 @nox.session(python=PYTHON)
