@@ -77,8 +77,10 @@ def test_flagged_gates_left_in_are_the_known_open_ones(inventory: Inventory) -> 
         for g in inventory.flagged
         if g.decision not in ("patched", "excluded")
     }
-    # server_args.py:1509 (Olmo2 -> fa3) is patched by sm120-olmo2-attention-triton.patch.
-    assert left_in == {("srt/layers/quantization/fp8_utils.py", 203)}
+    # Both gates flagged in 0.5.9 are patched now: server_args.py:1509 (Olmo2 -> fa3) by
+    # sm120-olmo2-attention-triton.patch, fp8_utils.py:203 (explicit flashinfer_trtllm)
+    # by sm120-fp8-gemm-explicit-trtllm-guard.patch.
+    assert left_in == set()
 
 
 def test_command_exits_0_on_the_fork(tmp_path: Path) -> None:
