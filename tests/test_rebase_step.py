@@ -29,14 +29,14 @@ def test_step_names_the_first_release_that_broke_each_patch(request: pytest.Fixt
         "0003-c.patch": ("offset", None),
     }
     a, b, c = report["patches"]
-    assert a["steps"] == [
-        {"version": "0.5.10", "status": "clean"},
-        {"version": "0.5.11", "status": "merged"},
+    assert [(s["version"], s["status"], s["by_hand"]) for s in a["steps"]] == [
+        ("0.5.10", "clean", False),
+        ("0.5.11", "merged", False),
     ]
     assert a["detail"].startswith("first needed a 3-way merge at 0.5.11; ")
     assert b["detail"].startswith("went upstream at 0.5.10; ")
     assert [s["version"] for s in b["steps"]] == ["0.5.10"]  # not carried further
-    assert c["steps"][-1] == {"version": "0.5.11", "status": "clean"}
+    assert (c["steps"][-1]["version"], c["steps"][-1]["status"]) == ("0.5.11", "clean")
     # Only the final release lands.
     assert fork.read(f"vendor/sglang/{SA}") == V11[SA]
     assert 'version = "0.5.11"' in fork.read("vendor/sglang.lock")
@@ -44,6 +44,19 @@ def test_step_names_the_first_release_that_broke_each_patch(request: pytest.Fixt
     changelog = fork.read("CHANGELOG.md")
     assert "- `0001-a.patch`: merged with upstream's changes" in changelog
     assert "(first needed a 3-way merge at 0.5.11)." in changelog
+    # One entry per release walked, newest first, each saying what happened there.
+    newest, walked = changelog.split("## 0.5.10+sm120.1 - ", 1)
+    assert "## 0.5.11+sm120.1 - " in newest
+    assert "- `0002-b.patch`: dropped as upstreamed: " in walked
+    assert "- `0001-a.patch`: carried unchanged." in walked
+    assert "No longer in the series (dropped at an earlier release): `0002-b.patch`" in newest
+    assert "### Across the walk from 0.5.9" in newest
+    # The report holds the same, release by release.
+    walk = {r["version"]: r for r in report["walk"]}
+    assert list(walk) == ["0.5.10", "0.5.11"]
+    assert [p["name"] for p in walk["0.5.11"]["patches"]] == ["0001-a.patch", "0003-c.patch"]
+    assert walk["0.5.10"]["patches"][1]["status"] == "upstreamed"
+    assert "### sglang 0.5.10" in fork.read("build/rebase/report.md")
 
 
 def test_step_conflict_at_an_intermediate_release(request: pytest.FixtureRequest) -> None:
@@ -59,10 +72,13 @@ def test_step_conflict_at_an_intermediate_release(request: pytest.FixtureRequest
     (fork.root / "build/rebase/work" / SA).write_text(
         v10[SA].replace("x_25 = 'upstream'\n", "x_25 = 'both'\n")
     )
-    result = fork.cli("rebase", "--continue")
+    result = fork.cli("rebase", "--continue", "--note", "upstream set x_25 itself")
     assert result.returncode == 0, result.stderr
     [patch] = fork.report()["patches"]
     assert (patch["status"], patch["first_break"]) == ("merged", "0.5.10")
+    assert patch["steps"][0]["note"] == "upstream set x_25 itself"
+    entry_010 = fork.read("CHANGELOG.md").split("## 0.5.10+sm120.1 - ", 1)[1]
+    assert "rewritten by hand (the tool could not: upstream set x_25 itself)" in entry_010
     assert patch["detail"].startswith("first conflicted at 0.5.10 (resolved by hand); ")
     assert [s["status"] for s in patch["steps"]] == ["merged", "clean"]
     assert fork.read(f"vendor/sglang/{SA}") == v11[SA]
@@ -81,3 +97,31 @@ def test_dry_run_step_names_the_release_of_a_conflict_not_the_target(
     [patch] = fork.report()["patches"]
     assert (patch["status"], patch["first_break"]) == ("conflict", "0.5.10")
     assert [(s["version"], s["status"]) for s in patch["steps"]] == [("0.5.10", "conflict")]
+
+
+def test_drop_a_conflicted_patch_with_its_reason(request: pytest.FixtureRequest) -> None:
+    v10 = edited(BASE, (SA, "x_25 = 25\n", "x_25 = 'upstream'\n"))
+    v11 = edited(v10, (SA, "x_70 = 70\n", "x_70 = 'upstream'\n"))
+    versions = {"v0.5.9": BASE, "v0.5.10": v10, "v0.5.11": v11}
+    fork = make_rebase_fork(request, versions, SERIES[:2])
+    assert fork.rebase("v0.5.11", "--step").returncode == 1
+    (fork.root / "build/rebase/work" / SA).write_text("half an edit\n")  # thrown away
+    result = fork.cli("rebase", "--drop", "upstream 0.5.10 sets x_25 its own way")
+    assert result.returncode == 0, result.stderr
+    a, _ = fork.report()["patches"]
+    assert a["status"] == "upstreamed"
+    assert a["detail"].startswith("conflicted at 0.5.10 and was dropped by hand; dropped by hand")
+    assert fork.read("patches/series") == "0002-b.patch\n"
+    assert fork.read(f"vendor/sglang/{SA}") == v11[SA]  # the edit went with the patch
+    changelog = fork.read("CHANGELOG.md")
+    assert "conflicted; dropped by hand: upstream 0.5.10 sets x_25 its own way." in changelog
+
+
+def test_note_and_drop_need_a_conflict(request: pytest.FixtureRequest) -> None:
+    fork = make_rebase_fork(request, {"v0.5.9": BASE, "v0.5.10": V10}, SERIES[:1])
+    before = fork.snapshot()
+    for args in (["--continue", "--note", "why"], ["--drop", "why"], ["--note", "why"]):
+        result = fork.cli("rebase", *args)
+        assert result.returncode == 2, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert fork.snapshot() == before

@@ -43,15 +43,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     resume.add_argument(
         "--abort", action="store_true", help="drop the rebase in progress and its work area"
     )
+    resume.add_argument(
+        "--drop",
+        metavar="REASON",
+        default="",
+        help="drop the conflicted patch because upstream no longer needs it (REASON, e.g. "
+        "'upstream 0.5.10 routes SM120 to ...', goes into the report and CHANGELOG), and go on",
+    )
+    parser.add_argument(
+        "--note",
+        metavar="TEXT",
+        default="",
+        help="with --continue: why the tool could not carry the patch you resolved "
+        "(goes into the report and CHANGELOG)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     paths = RepoPaths(args.repo)
-    if args.resume or args.abort:
+    if args.note and not args.resume:
+        raise FatalError("--note goes with --continue (it says why a resolution was needed)")
+    if args.resume or args.abort or args.drop:
         extra = args.version or args.upstream_git or args.step or args.dry_run
         if extra:
-            raise FatalError("--continue and --abort take no version or other option")
-        return flow.resume(paths) if args.resume else flow.abort(paths)
+            raise FatalError("--continue, --drop and --abort take no version or other option")
+        if args.drop.strip() == "" and args.drop:
+            raise FatalError("--drop needs a reason: why upstream no longer needs the patch")
+        if args.abort:
+            return flow.abort(paths)
+        return flow.resume(paths, note=args.note.strip(), drop=args.drop.strip())
     if not args.version:
         raise FatalError("name the release to rebase onto (e.g. v0.5.10), or --continue / --abort")
     return flow.start(

@@ -24,7 +24,7 @@ from sm120fork import lock
 from sm120fork.lines import split_lines
 from sm120fork.rebase import gatefindings
 from sm120fork.rebase.ledger import first_break
-from sm120fork.rebase.state import PatchState, RebaseState
+from sm120fork.rebase.state import PatchState, RebaseState, StepResult
 
 TITLE = "# Changelog\n"
 _FATE = {
@@ -36,6 +36,9 @@ _FATE = {
 
 
 def entry(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
+    """The new entry; with --step one per release walked, newest first."""
+    if state.step_mode and state.release_gates is not None and len(state.targets) > 1:
+        return _walk_entries(state, gates, today)
     final = lock.loads(state.final.lock_text)
     lines = [
         f"## {final.version}+sm120.1 - {today}",
@@ -53,11 +56,89 @@ def entry(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _walk_entries(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
+    """Newest first: the release that lands, then each release walked on the way, each
+    with what happened to every patch there and how its gates differ from the release
+    before it (the report's `walk` section holds the same)."""
+    assert state.release_gates is not None
+    versions = [target.version for target in state.targets]
+    entries = []
+    for index in reversed(range(len(versions))):
+        version = versions[index]
+        before = versions[index - 1] if index else state.from_version
+        final = lock.loads(state.targets[index].lock_text)
+        if index == len(versions) - 1:
+            upstream = [
+                f"- Rebased onto sglang {version} (tag {final.tag}, from {final.source}); "
+                f"was {state.from_version}. Walked every release in between with "
+                f"`rebase --step` ({len(versions)} releases; one entry each below, "
+                "none vendored or released on its own).",
+            ]
+        else:
+            upstream = [
+                f"- sglang {version} (tag {final.tag}, from {final.source}), walked from "
+                f"{before} on the way to {versions[-1]}: not vendored or released on its own.",
+            ]
+        lines = [
+            f"## {version}+sm120.1 - {today}",
+            "",
+            "### Upstream",
+            *upstream,
+            "",
+            "### Patches",
+            *_patches_at(state, version),
+            "",
+            "### Gates",
+            *_gate_lines(state.release_gates.get(version, {}), before),
+        ]
+        if index == len(versions) - 1:
+            lines += [
+                "",
+                f"### Across the walk from {state.from_version}",
+                *(f"- `{patch.name}`: {_fate(patch, True)}" for patch in state.patches),
+                *_gate_lines(gates, state.from_version),
+            ]
+        entries.append("\n".join(lines) + "\n")
+    return "\n".join(entries)
+
+
+def _patches_at(state: RebaseState, version: str) -> list[str]:
+    lines, gone = [], []
+    for patch in state.patches:
+        step = next((s for s in patch.steps if s.version == version), None)
+        if step is None:
+            gone.append(f"`{patch.name}`")
+        else:
+            lines.append(f"- `{patch.name}`: {step_fate(step)}")
+    if gone:
+        dropped = ", ".join(gone)
+        lines.append(f"- No longer in the series (dropped at an earlier release): {dropped}.")
+    return lines
+
+
+def step_fate(step: StepResult) -> str:
+    """What happened to a patch at one release, one sentence."""
+    said = step.note.rstrip(".") if step.note else "no reason given"
+    if step.by_hand and step.status == "upstreamed":
+        fate = f"conflicted; dropped by hand: {said}"
+    elif step.by_hand:
+        fate = f"conflicted; rewritten by hand (the tool could not: {said}); refreshed"
+    elif step.status == "upstreamed":
+        fate = f"dropped as upstreamed: {step.detail.removesuffix('; dropped')}"
+    else:
+        fate = _FATE.get(step.status, step.status)
+    return fate.rstrip(".") + "."
+
+
 def _fate(patch: PatchState, step_mode: bool) -> str:
+    hand = [step for step in patch.steps if step.by_hand]
     if patch.status == "upstreamed":
         fate = f"dropped as upstreamed: {patch.detail.removesuffix('; dropped')}"
-    elif patch.steps and patch.steps[-1].by_hand:
+    elif hand:
         fate = "merged; conflict resolved by hand; refreshed"
+        notes = [f"{step.version}: {step.note.rstrip('.')}" for step in hand if step.note]
+        if notes:
+            fate += f" (why by hand: {'; '.join(notes)})"
     else:
         fate = _FATE.get(patch.status, patch.status)
     found = first_break(patch.steps) if step_mode else None
@@ -66,9 +147,10 @@ def _fate(patch: PatchState, step_mode: bool) -> str:
     return fate.rstrip(".") + "."
 
 
-def _gate_lines(gates: dict[str, list[Any]]) -> list[str]:
+def _gate_lines(gates: dict[str, list[Any]], since: str = "") -> list[str]:
     """The counts, then every gate whose answer for SM12x changed (the report has all)."""
-    lines = [f"- {gatefindings.summary(gates)} (the rebase report lists them)."]
+    against = f" against {since}" if since else ""
+    lines = [f"- Gates{against}: {gatefindings.summary(gates)} (the rebase report lists them)."]
     return lines + [
         f"- SM12x answer changed: {line}." for line in gatefindings.sm12x_changes(gates)
     ]

@@ -53,15 +53,22 @@ def start(paths: RepoPaths, spec: str, *, git_url: str | None, step: bool, dry_r
         return _drive(Run(paths, area, state_dir), state)
 
 
-def resume(paths: RepoPaths) -> int:
+def resume(paths: RepoPaths, *, note: str = "", drop: str = "") -> int:
+    """--continue (`note`: why the tool could not carry the patch) or --drop REASON."""
     state_dir = StateDir.of(paths.root)
     with state_dir.running():
         state = state_dir.load()
         run = Run(paths, paths.build_dir / "rebase", state_dir)
+        if (note or drop) and state.phase != "conflict":
+            option = "--drop" if drop else "--note"
+            raise FatalError(
+                f"{option} speaks of a conflicted patch, and none is waiting; "
+                "run `rebase --continue` alone"
+            )
         if state.phase != "finalize":
             preconditions.check_resume(paths, state.fingerprint)
         if state.phase == "conflict":
-            state = phases.resolved(run, state)
+            state = phases.resolved(run, state, note=note, drop=drop)
         return _drive(run, state)
 
 
@@ -102,6 +109,7 @@ def _drive(run: Run, state: RebaseState) -> int:
 
 def _predicted(run: Run, state: RebaseState) -> int:
     """The end of a dry run: the report, and exit 1 if a patch would stop the rebase."""
+    state = run.release_gates(state)
     _, md = report.write(run.reports, report.build(state, "dry-run", run.gates(state), None))
     stoppers = [patch for patch in state.patches if patch.status == "conflict"]
     for patch in stoppers:

@@ -6,10 +6,11 @@ The gate inventory of each pristine upstream tree, with the fork's decisions
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sm120fork.gates import compare_trees, load_policy
+from sm120fork.gates import compare_trees, diff_inventories, load_policy, review_tree
 
 KINDS = ("new", "changed", "moved", "removed", "unreviewed")
 
@@ -22,6 +23,24 @@ def findings(policy: Path, old_tree: Path, new_tree: Path) -> dict[str, list[Any
     """Gate sites new, changed, moved or removed from `old_tree` to `new_tree`, and the
     new tree's gates that no decision covers (JSON-ready)."""
     return compare_trees(old_tree, new_tree, load_policy(policy)).to_json()
+
+
+def walk_findings(
+    policy: Path, trees: list[tuple[str, Path]], progress: Callable[[str], None]
+) -> dict[str, dict[str, list[Any]]]:
+    """For a --step walk: each release's findings against the release before it.
+    `trees` is (version, tree), oldest first, starting with the pinned release; each
+    tree is scanned once."""
+    rules = load_policy(policy)
+    found: dict[str, dict[str, list[Any]]] = {}
+    previous = None
+    for version, tree in trees:
+        progress(f"scanning the architecture gates of sglang {version}")
+        inventory = review_tree(tree, rules)
+        if previous is not None:
+            found[version] = diff_inventories(previous, inventory).to_json()
+        previous = inventory
+    return found
 
 
 def describe_gate(gate: dict[str, Any]) -> str:

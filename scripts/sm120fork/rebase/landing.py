@@ -20,6 +20,7 @@ def land(run: Run, state: RebaseState) -> int:
     plan = state.journal
     if plan is None or plan.step == "staging":
         gates = run.gates(state)
+        state = run.release_gates(state)
         writers = outputs.writers(run.paths, state, run.tree(state.final.version), gates)
         plan = finalize.journal(root, writers)
         state = run.save(replace(state, journal=plan, gates=gates))

@@ -28,6 +28,8 @@ HAND = "conflict resolved by hand"
 def first_break(steps: tuple[StepResult, ...]) -> tuple[str, str] | None:
     """(release, what happened) where the patch first needed more than an offset."""
     for step in steps:
+        if step.by_hand and step.status == "upstreamed":
+            return step.version, f"conflicted at {step.version} and was dropped by hand"
         if step.by_hand:
             return step.version, f"first conflicted at {step.version} (resolved by hand)"
         if step.status == "merged":
@@ -41,8 +43,9 @@ def first_break(steps: tuple[StepResult, ...]) -> tuple[str, str] | None:
     return None
 
 
-def record(state: RebaseState, index: int, outcome: Outcome) -> RebaseState:
-    """`state` with patch `index`'s result at the current release recorded."""
+def record(state: RebaseState, index: int, outcome: Outcome, note: str = "") -> RebaseState:
+    """`state` with patch `index`'s result at the current release recorded (`note`: what
+    the person who resolved a conflict said about it)."""
     patch = state.patches[index]
     version = state.target.version
     if outcome.status == "conflict":
@@ -50,7 +53,7 @@ def record(state: RebaseState, index: int, outcome: Outcome) -> RebaseState:
         headline = found[1] if found else f"first conflicted at {version}"
         detail = f"{headline}; {outcome.detail}" if state.step_mode else outcome.detail
         # The conflict is a step too: --step names the release where it happened.
-        steps = (*patch.steps, StepResult(version, "conflict", False))
+        steps = (*patch.steps, StepResult(version, "conflict", False, outcome.detail))
         return state.with_patch(
             index,
             replace(
@@ -60,7 +63,8 @@ def record(state: RebaseState, index: int, outcome: Outcome) -> RebaseState:
     earlier = patch.steps
     if earlier and earlier[-1].status == "conflict" and earlier[-1].version == version:
         earlier = earlier[:-1]  # resolved by hand: this result replaces the conflict
-    steps = (*earlier, StepResult(version, outcome.status, patch.status == "conflict"))
+    by_hand = patch.status == "conflict"
+    steps = (*earlier, StepResult(version, outcome.status, by_hand, outcome.detail, note))
     found = first_break(steps)
     carried = replace(
         patch,

@@ -15,7 +15,7 @@ from sm120fork.intent.model import load_intents
 from sm120fork.normalform import DiffRenderer
 from sm120fork.patchfile import parse_patch
 from sm120fork.rebase import ledger, targets
-from sm120fork.rebase.carry import apply_to_worktree, carry, finish
+from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, finish
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.run import Run, say
 from sm120fork.rebase.state import RebaseState, crash_point
@@ -104,13 +104,29 @@ def _carry_release(
     return run.save(replace(state, release_index=index + 1, patch_index=0, tip=""))
 
 
-def resolved(run: Run, state: RebaseState) -> RebaseState:
-    """Finish the conflicted patch with the person's edits of the work tree."""
+def resolved(run: Run, state: RebaseState, *, note: str = "", drop: str = "") -> RebaseState:
+    """Finish the conflicted patch with the person's edits of the work tree, or drop it
+    (`drop`: why upstream no longer needs it). `note` says why the tool could not."""
     if not (run.work / ".git").is_dir():
         raise FatalError(f"the work tree {run.work} is gone; run `rebase --abort` and start again")
     repo = WorkRepo(run.work)
     if repo.out("rev-parse", "HEAD") != state.tip:  # a crash after committing the resolution
         repo.git("reset", "-q", "--soft", state.tip)
+    patch = state.patches[state.patch_index]
+    version = state.target.version
+    if drop:
+        repo.checkout(state.tip)  # the person's edits, if any, go with the patch
+        outcome = Outcome("upstreamed", f"dropped by hand at {version}: {drop.rstrip('.')}")
+    else:
+        outcome = _finish_by_hand(run, repo, state)
+    crash_point("resolved")
+    state = ledger.record(state, state.patch_index, outcome, note or drop)
+    say(f"{patch.name}: {outcome.status} ({outcome.detail})")
+    tip = outcome.commit or state.tip
+    return run.save(replace(state, phase="carry", patch_index=state.patch_index + 1, tip=tip))
+
+
+def _finish_by_hand(run: Run, repo: WorkRepo, state: RebaseState) -> Outcome:
     patch = state.patches[state.patch_index]
     edited = sorted({c.file for c in patch.conflicts} | set(repo.dirty_paths()))
     left = remaining_markers(repo, edited)
@@ -126,8 +142,4 @@ def resolved(run: Run, state: RebaseState) -> RebaseState:
         outcome = finish(repo, parsed, state.tip, renderer, "merged", ledger.HAND)
     if outcome.status == "upstreamed":
         outcome = replace(outcome, detail="the conflict was resolved by hand to no change; dropped")
-    crash_point("resolved")
-    state = ledger.record(state, state.patch_index, outcome)
-    say(f"{patch.name}: {outcome.status} ({outcome.detail})")
-    tip = outcome.commit or state.tip
-    return run.save(replace(state, phase="carry", patch_index=state.patch_index + 1, tip=tip))
+    return outcome

@@ -11,10 +11,11 @@ from typing import Any, Literal
 
 from sm120fork.fsutil import atomic_write_many
 from sm120fork.rebase import gatefindings
+from sm120fork.rebase.changelog import step_fate
 from sm120fork.rebase.conflicts import gate_conditions
 from sm120fork.rebase.gatefindings import KINDS
 from sm120fork.rebase.ledger import first_break, shown
-from sm120fork.rebase.state import Conflict, RebaseState
+from sm120fork.rebase.state import Conflict, RebaseState, StepResult
 
 Result = Literal["complete", "conflict", "dry-run"]
 _DRY_RUN_NOTE = [
@@ -36,9 +37,45 @@ def build(
     }
     if state.step_mode:
         report["releases"] = [target.version for target in state.targets]
+        if state.release_gates is not None:
+            report["walk"] = _walk(state)
     if result == "conflict" and work_tree:
         report["work_tree"] = work_tree
     return report
+
+
+def _walk(state: RebaseState) -> list[dict[str, Any]]:
+    """Release by release: what happened to each patch there, and how its gates differ
+    from the release before it (counts, and the gates whose SM12x answer changed)."""
+    assert state.release_gates is not None
+    walk = []
+    for target in state.targets:
+        gates = state.release_gates.get(target.version, {})
+        patches = [
+            {"name": patch.name, **_step_json(step), "fate": step_fate(step)}
+            for patch in state.patches
+            for step in patch.steps
+            if step.version == target.version
+        ]
+        walk.append(
+            {
+                "version": target.version,
+                "patches": patches,
+                "gates": {kind: len(gates.get(kind, [])) for kind in KINDS},
+                "gates_summary": gatefindings.summary(gates),
+                "sm12x_changed": gatefindings.sm12x_changes(gates),
+            }
+        )
+    return walk
+
+
+def _step_json(step: StepResult) -> dict[str, Any]:
+    return {
+        "status": step.status,
+        "by_hand": step.by_hand,
+        "detail": step.detail,
+        "note": step.note,
+    }
 
 
 def _conflict(conflict: Conflict) -> dict[str, Any]:
@@ -70,7 +107,7 @@ def _patch(state: RebaseState, index: int) -> dict[str, Any]:
         if status == "conflict" and found is None:
             found = (state.target.version, "")
         entry["first_break"] = found[0] if found else None
-        entry["steps"] = [{"version": s.version, "status": s.status} for s in patch.steps]
+        entry["steps"] = [{"version": s.version, **_step_json(s)} for s in patch.steps]
     return entry
 
 
@@ -104,6 +141,7 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|",
         *(f"| `{p['name']}` | {p['status']} | {_cell(p['detail'])} |" for p in report["patches"]),
     ]
+    lines += _walk_markdown(report.get("walk"))
     conflicted = [p for p in report["patches"] if p["conflicts"]]
     if conflicted:
         lines += ["", "## Conflicts", ""]
@@ -138,6 +176,20 @@ def markdown(report: dict[str, Any]) -> str:
             lines += [f"- {gatefindings.describe_gate(gate)}" for gate in found]
             lines += ["", "</details>"]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _walk_markdown(walk: list[dict[str, Any]] | None) -> list[str]:
+    """Release by release: each patch's fate there, and the gate changes."""
+    if not walk:
+        return []
+    lines = ["", "## Release by release", ""]
+    for release in walk:
+        lines += [f"### sglang {release['version']}", ""]
+        lines += [f"- `{p['name']}`: {_cell(p['fate'])}" for p in release["patches"]]
+        lines += [f"- Gates: {release['gates_summary']}."]
+        lines += [f"- SM12x answer changed: {line}" for line in release["sm12x_changed"]]
+        lines.append("")
+    return lines
 
 
 def _conditions_table(conditions: dict[str, list[str]] | None) -> list[str]:

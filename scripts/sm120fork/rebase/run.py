@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +52,13 @@ class Run:
         return gatefindings.findings(
             policy, self.paths.upstream_tree, self.tree(state.final.version)
         )
+
+    def release_gates(self, state: RebaseState) -> RebaseState:
+        """With --step: `state` with each release's gate findings against the one before."""
+        if not state.step_mode or state.release_gates is not None:
+            return state
+        trees = [(state.from_version, self.paths.upstream_tree)]
+        trees += [(target.version, self.tree(target.version)) for target in state.targets]
+        policy = self.paths.patches_dir / "gates.toml"
+        found = gatefindings.walk_findings(policy, trees, say)
+        return self.save(replace(state, release_gates=found))

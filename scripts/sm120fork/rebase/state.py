@@ -66,6 +66,8 @@ class StepResult:
     version: str
     status: Status
     by_hand: bool = False  # a conflict a person resolved
+    detail: str = ""  # what happened at this release (one sentence)
+    note: str = ""  # the person's word on a hand resolution: why the tool could not
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ class RebaseState:
     journal: Journal | None = None
     fingerprint: str = ""  # what the rebase lands, as committed when it started
     gates: dict[str, list[Any]] | None = None  # the report's gates section, once computed
+    # With --step: each release's gate findings against the release before it, once computed.
+    release_gates: dict[str, dict[str, list[Any]]] | None = None
     format: int = FORMAT
 
     @property
