@@ -8,7 +8,10 @@
    or rewrites it                              -> resolved (the recipe keeps
                                                   reproducing the patch, as check wants)
 5. `git cherry-pick`, a real 3-way merge       -> merged, or upstreamed if the
-                                                  result changes nothing
+                                                  result changes nothing; a conflict
+                                                  that is only upstream re-wording a
+                                                  comment beside the patch -> merged
+                                                  (cosmetic.py)
 6. the merge conflicts but the change is already
    upstream at shifted lines                   -> upstreamed
 7. otherwise                                   -> conflict (markers left in the work tree)
@@ -27,6 +30,7 @@ from sm120fork.intent.model import Intent
 from sm120fork.intent.reapply import Reapplied, reapply
 from sm120fork.normalform import DiffRenderer, render_patch
 from sm120fork.patchfile import PatchFile, parse_patch
+from sm120fork.rebase import cosmetic
 from sm120fork.rebase.conflicts import describe
 from sm120fork.rebase.state import Conflict, PatchState, Status, Target
 from sm120fork.rebase.workrepo import WorkRepo
@@ -87,6 +91,14 @@ def carry(
             "conflicted, but the patch reverse-applies)"
         )
     conflicts = describe(repo, tip, target.base_commit, parsed)
+    if _resolve_cosmetic(repo):
+        where = ", ".join(f"{PurePosixPath(c.file).name}:{c.line}" for c in conflicts)
+        detail = (
+            f"the 3-way merge onto {version} conflicted only where upstream re-worded "
+            f"comments beside the patch ({where}); kept upstream's comments and the patch's "
+            "change; refreshed"
+        )
+        return replace(finish(repo, parsed, tip, renderer, "merged", detail), conflicts=())
     detail = _conflicts_detail(target.version, conflicts)
     if verdict is not None:
         detail += f"; its intent did not help: {verdict.detail}"
@@ -111,6 +123,22 @@ def _by_intent(
         (repo.root / path).write_bytes(text.encode("utf-8"))
     detail = f"{verdict.detail} (its text no longer applies; {merge}); refreshed"
     return replace(finish(repo, patch, tip, renderer, "resolved", detail), conflicts=conflicts)
+
+
+def _resolve_cosmetic(repo: WorkRepo) -> bool:
+    """Resolve the stopped merge if every conflict is a comment edit beside the patch
+    (cosmetic.py); nothing is written unless all of them are."""
+    resolved: dict[str, str] = {}
+    for path in repo.unmerged():
+        file = repo.root / path
+        text = file.read_text("utf-8") if file.is_file() else None
+        merged = cosmetic.resolve_text(text) if text is not None else None
+        if merged is None:
+            return False
+        resolved[path] = merged
+    for path, text in resolved.items():
+        (repo.root / path).write_bytes(text.encode("utf-8"))
+    return bool(resolved)
 
 
 def _conflicts_detail(version: str, conflicts: tuple[Conflict, ...]) -> str:

@@ -1,0 +1,75 @@
+"""Conflicts that are only upstream re-wording a comment beside the patch (cosmetic.py)."""
+
+from __future__ import annotations
+
+import pytest
+from rebasefork import BASE, SA, edited, make_rebase_fork
+from sm120fork.rebase.cosmetic import resolve_block, resolve_text
+
+BASE_BLOCK = ["    if nsa(cfg):  # DeepSeek 3.2, GLM\n", "        x = 1\n"]
+PATCH_BLOCK = [BASE_BLOCK[0], "        guard()\n", BASE_BLOCK[1]]
+
+
+def test_a_reworded_comment_keeps_upstreams_words_and_the_patchs_change() -> None:
+    ours = ["    if nsa(cfg):  # DeepSeek 3.2/GLM 5\n", BASE_BLOCK[1]]
+    assert resolve_block(ours, BASE_BLOCK, PATCH_BLOCK) == [ours[0], *PATCH_BLOCK[1:]]
+
+
+@pytest.mark.parametrize(
+    "ours",
+    [
+        ["    if nsa(cfg) and sm100:  # DeepSeek 3.2, GLM\n", BASE_BLOCK[1]],  # code changed
+        ["if nsa(cfg):  # DeepSeek 3.2, GLM\n", BASE_BLOCK[1]],  # indentation is code
+        [BASE_BLOCK[0], "        # new comment line\n", BASE_BLOCK[1]],  # a line more
+    ],
+)
+def test_anything_but_a_comment_edit_stays_a_conflict(ours: list[str]) -> None:
+    assert resolve_block(ours, BASE_BLOCK, PATCH_BLOCK) is None
+
+
+def test_a_line_both_sides_changed_stays_a_conflict() -> None:
+    ours = [BASE_BLOCK[0], "        x = 1  # upstream's note\n"]
+    theirs = [BASE_BLOCK[0], "        x = 2\n"]  # the patch rewrites the re-worded line
+    assert resolve_block(ours, BASE_BLOCK, theirs) is None
+
+
+def test_a_hash_inside_a_string_is_not_a_comment() -> None:
+    base = ['    s = "a # b"\n']
+    ours = ['    s = "a # c"\n']
+    assert resolve_block(ours, base, [*base, "    guard()\n"]) is None
+
+
+def test_resolve_text_resolves_every_block_or_none() -> None:
+    block = "".join(
+        [
+            "<<<<<<< HEAD\n",
+            "    if nsa(cfg):  # DeepSeek 3.2/GLM 5\n",
+            "||||||| parent\n",
+            BASE_BLOCK[0],
+            "=======\n",
+            BASE_BLOCK[0],
+            "        guard()\n",
+            ">>>>>>> patch\n",
+        ]
+    )
+    text = f"a = 1\n{block}b = 2\n"
+    assert resolve_text(text) == (
+        "a = 1\n    if nsa(cfg):  # DeepSeek 3.2/GLM 5\n        guard()\nb = 2\n"
+    )
+    bad = block.replace("if nsa(cfg):  # DeepSeek 3.2/GLM 5", "if dsa(cfg):")
+    assert resolve_text(text + bad) is None
+    assert resolve_text(text + "<<<<<<< HEAD\nx\n") is None  # unterminated
+
+
+def test_rebase_merges_past_a_comment_upstream_reworded(request: pytest.FixtureRequest) -> None:
+    v10 = edited(BASE, (SA, "x_24 = 24\n", "x_24 = 24  # upstream's note\n"))
+    series = [("0001-a.patch", [(SA, "x_25 = 25\n", "x_25 = 'fork'\n")])]
+    fork = make_rebase_fork(request, {"v0.5.9": BASE, "v0.5.10": v10}, series)
+    result = fork.rebase("v0.5.10")
+    assert result.returncode == 0, result.stderr
+    [patch] = fork.report()["patches"]
+    assert patch["status"] == "merged"
+    assert "conflicted only where upstream re-worded comments" in patch["detail"]
+    text = fork.read(f"vendor/sglang/{SA}")
+    assert "x_24 = 24  # upstream's note\n" in text
+    assert "+x_25 = 'fork'" in fork.read("patches/0001-a.patch")
