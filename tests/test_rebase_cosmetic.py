@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from rebasefork import BASE, SA, edited, make_rebase_fork
-from sm120fork.rebase.cosmetic import resolve_block, resolve_text
+from sm120fork.rebase.cosmetic import IMPORTS, REWORDED, resolve_block, resolve_text
 
 BASE_BLOCK = ["    if nsa(cfg):  # DeepSeek 3.2, GLM\n", "        x = 1\n"]
 PATCH_BLOCK = [BASE_BLOCK[0], "        guard()\n", BASE_BLOCK[1]]
@@ -12,7 +12,7 @@ PATCH_BLOCK = [BASE_BLOCK[0], "        guard()\n", BASE_BLOCK[1]]
 
 def test_a_reworded_comment_keeps_upstreams_words_and_the_patchs_change() -> None:
     ours = ["    if nsa(cfg):  # DeepSeek 3.2/GLM 5\n", BASE_BLOCK[1]]
-    assert resolve_block(ours, BASE_BLOCK, PATCH_BLOCK) == [ours[0], *PATCH_BLOCK[1:]]
+    assert resolve_block(ours, BASE_BLOCK, PATCH_BLOCK) == ([ours[0], *PATCH_BLOCK[1:]], REWORDED)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,8 @@ def test_resolve_text_resolves_every_block_or_none() -> None:
     )
     text = f"a = 1\n{block}b = 2\n"
     assert resolve_text(text) == (
-        "a = 1\n    if nsa(cfg):  # DeepSeek 3.2/GLM 5\n        guard()\nb = 2\n"
+        "a = 1\n    if nsa(cfg):  # DeepSeek 3.2/GLM 5\n        guard()\nb = 2\n",
+        {REWORDED},
     )
     bad = block.replace("if nsa(cfg):  # DeepSeek 3.2/GLM 5", "if dsa(cfg):")
     assert resolve_text(text + bad) is None
@@ -69,7 +70,39 @@ def test_rebase_merges_past_a_comment_upstream_reworded(request: pytest.FixtureR
     assert result.returncode == 0, result.stderr
     [patch] = fork.report()["patches"]
     assert patch["status"] == "merged"
-    assert "conflicted only where upstream re-worded comments" in patch["detail"]
+    assert f"conflicted only where {REWORDED}" in patch["detail"]
     text = fork.read(f"vendor/sglang/{SA}")
     assert "x_24 = 24  # upstream's note\n" in text
     assert "+x_25 = 'fork'" in fork.read("patches/0001-a.patch")
+
+
+def test_an_import_both_sides_changed_takes_upstreams_layout_and_the_patchs_names() -> None:
+    base = ["from sglang.srt.utils import get_device_sm, is_blackwell_supported\n"]
+    ours = [
+        "from sglang.srt.utils import (\n",
+        "    get_device_sm,\n",
+        "    is_blackwell_supported,\n",
+        "    is_cuda,\n",
+        ")\n",
+    ]
+    theirs = ["from sglang.srt.utils import get_device_sm, is_blackwell_supported, is_sm120\n"]
+    merged = [*ours[:4], "    is_sm120,\n", ")\n"]
+    assert resolve_block(ours, base, theirs) == (merged, IMPORTS)
+    # A name the patch removed goes; a short result stays on one line.
+    ours_short = ["from m import a, b, c\n"]
+    assert resolve_block(ours_short, ["from m import a, b\n"], ["from m import b, z\n"]) == (
+        ["from m import b, c, z\n"],
+        IMPORTS,
+    )
+
+
+@pytest.mark.parametrize(
+    "ours",
+    [
+        ["from other import a, b\n"],  # another module
+        ["from m import a, b\n", "x = 1\n"],  # more than the import
+        ["import m\n"],
+    ],
+)
+def test_imports_of_different_shapes_stay_a_conflict(ours: list[str]) -> None:
+    assert resolve_block(ours, ["from m import a\n"], ["from m import a, z\n"]) is None

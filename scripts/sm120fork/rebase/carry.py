@@ -9,9 +9,9 @@
                                                   reproducing the patch, as check wants)
 5. `git cherry-pick`, a real 3-way merge       -> merged, or upstreamed if the
                                                   result changes nothing; a conflict
-                                                  that is only upstream re-wording a
-                                                  comment beside the patch -> merged
-                                                  (cosmetic.py)
+                                                  that is only a re-worded comment
+                                                  beside the patch or one import both
+                                                  sides changed -> merged (cosmetic.py)
 6. the merge conflicts but the change is already
    upstream at shifted lines                   -> upstreamed
 7. otherwise                                   -> conflict (markers left in the work tree)
@@ -91,12 +91,12 @@ def carry(
             "conflicted, but the patch reverse-applies)"
         )
     conflicts = describe(repo, tip, target.base_commit, parsed)
-    if _resolve_cosmetic(repo):
+    kinds = _resolve_cosmetic(repo)
+    if kinds:
         where = ", ".join(f"{PurePosixPath(c.file).name}:{c.line}" for c in conflicts)
         detail = (
-            f"the 3-way merge onto {version} conflicted only where upstream re-worded "
-            f"comments beside the patch ({where}); kept upstream's comments and the patch's "
-            "change; refreshed"
+            f"the 3-way merge onto {version} conflicted only where {' and '.join(kinds)} "
+            f"({where}); the tool kept both sides' changes (cosmetic.py); refreshed"
         )
         return replace(finish(repo, parsed, tip, renderer, "merged", detail), conflicts=())
     detail = _conflicts_detail(target.version, conflicts)
@@ -125,20 +125,21 @@ def _by_intent(
     return replace(finish(repo, patch, tip, renderer, "resolved", detail), conflicts=conflicts)
 
 
-def _resolve_cosmetic(repo: WorkRepo) -> bool:
-    """Resolve the stopped merge if every conflict is a comment edit beside the patch
-    (cosmetic.py); nothing is written unless all of them are."""
+def _resolve_cosmetic(repo: WorkRepo) -> list[str]:
+    """Resolve the stopped merge if every conflict is of a kind cosmetic.py resolves;
+    the kinds met, sorted (none: nothing was written)."""
     resolved: dict[str, str] = {}
+    kinds: set[str] = set()
     for path in repo.unmerged():
         file = repo.root / path
-        text = file.read_text("utf-8") if file.is_file() else None
-        merged = cosmetic.resolve_text(text) if text is not None else None
+        merged = cosmetic.resolve_text(file.read_text("utf-8")) if file.is_file() else None
         if merged is None:
-            return False
-        resolved[path] = merged
+            return []
+        resolved[path] = merged[0]
+        kinds |= merged[1]
     for path, text in resolved.items():
         (repo.root / path).write_bytes(text.encode("utf-8"))
-    return bool(resolved)
+    return sorted(kinds)
 
 
 def _conflicts_detail(version: str, conflicts: tuple[Conflict, ...]) -> str:

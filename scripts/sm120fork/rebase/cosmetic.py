@@ -1,4 +1,8 @@
-"""Conflicts a person would resolve without thinking: upstream only re-worded comments.
+"""Conflicts a person would resolve without thinking, resolved by the tool instead.
+
+Two kinds, and only these; anything else stays a conflict for a person.
+
+Upstream only re-worded comments.
 
 A 3-way merge conflicts when both sides touch neighbouring lines, even when
 upstream's side is only a comment edit next to where the patch adds code
@@ -12,22 +16,35 @@ here, and only such a block:
 * the patch (theirs) leaves every line that upstream re-worded as it was.
 
 The result is the patch's side with upstream's wording on the lines the
-patch kept. Anything else stays a conflict for a person.
+patch kept.
+
+Both sides changed the same `from M import ...` (0.5.11 wrapped
+`deep_gemm_wrapper/configurer.py`'s import of `sglang.srt.utils` in parentheses
+and added names; the DeepGEMM patch added `is_sm120_supported`). When each side
+of the block is exactly one such statement of the same module, the result is
+upstream's statement with the names the patch added (and without those it
+removed), in upstream's layout.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import io
+import textwrap
 import tokenize
 
 from sm120fork.lines import split_lines
 
+REWORDED = "upstream re-worded a comment beside the patch"
+IMPORTS = "both sides changed the same import statement"
 
-def resolve_text(text: str) -> str | None:
-    """`text` (a file with diff3 conflict blocks) with every block resolved, or None
-    when some block is more than a comment edit next to the patch."""
+
+def resolve_text(text: str) -> tuple[str, set[str]] | None:
+    """`text` (a file with diff3 conflict blocks) with every block resolved, and which
+    kinds of block it met (REWORDED, IMPORTS); None when some block is neither."""
     out: list[str] = []
+    kinds: set[str] = set()
     lines = split_lines(text)
     i = 0
     while i < len(lines):
@@ -48,16 +65,28 @@ def resolve_text(text: str) -> str | None:
             i += 1
         if i == len(lines):
             return None  # an unterminated block: not ours to guess
-        merged = resolve_block(sides["ours"], sides["base"], sides["theirs"])
-        if merged is None:
+        resolved = resolve_block(sides["ours"], sides["base"], sides["theirs"])
+        if resolved is None:
             return None
-        out.extend(merged)
+        out.extend(resolved[0])
+        kinds.add(resolved[1])
         i += 1
-    return "".join(out)
+    return "".join(out), kinds
 
 
-def resolve_block(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
-    """The merged lines of one conflict block, or None (see the module docstring)."""
+def resolve_block(
+    ours: list[str], base: list[str], theirs: list[str]
+) -> tuple[list[str], str] | None:
+    """The merged lines of one conflict block and its kind, or None (see the module
+    docstring)."""
+    merged = _reworded_comments(ours, base, theirs)
+    if merged is not None:
+        return merged, REWORDED
+    merged = _merged_import(ours, base, theirs)
+    return (merged, IMPORTS) if merged is not None else None
+
+
+def _reworded_comments(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
     if len(ours) != len(base) or not base:
         return None
     reworded = {n for n, (o, b) in enumerate(zip(ours, base, strict=True)) if o != b}
@@ -85,3 +114,45 @@ def _code(line: str) -> str:
     if not comments:
         return line.rstrip()  # no comment, or a line tokenize cannot read alone
     return line[: comments[0].start[1]].rstrip()
+
+
+def _merged_import(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
+    sides = [_import_from("".join(side)) for side in (ours, base, theirs)]
+    if any(side is None for side in sides):
+        return None
+    (o_mod, o_names), (b_mod, b_names), (t_mod, t_names) = sides  # type: ignore[misc]
+    if not o_mod == b_mod == t_mod:
+        return None
+    added = [name for name in t_names if name not in b_names and name not in o_names]
+    removed = {name for name in b_names if name not in t_names}
+    names = [name for name in o_names if name not in removed]
+    if sorted(o_names) == o_names:  # upstream keeps the list sorted (isort): so do we
+        names = sorted(names + added)
+    else:
+        names += added
+    indent = ours[0][: len(ours[0]) - len(ours[0].lstrip())]
+    one_line = f"{indent}from {o_mod} import {', '.join(names)}\n"
+    if len(ours) == 1 and len(one_line) <= 89:
+        return [one_line]
+    return [
+        f"{indent}from {o_mod} import (\n",
+        *(f"{indent}    {name},\n" for name in names),
+        f"{indent})\n",
+    ]
+
+
+def _import_from(text: str) -> tuple[str, list[str]] | None:
+    """(module with its leading dots, names as written) of a block that is exactly one
+    `from M import ...` statement, or None."""
+    try:
+        body = ast.parse(textwrap.dedent(text)).body
+    except SyntaxError:
+        return None
+    statement = body[0] if len(body) == 1 else None
+    if not isinstance(statement, ast.ImportFrom) or statement.module is None:
+        return None
+    names = [
+        f"{alias.name} as {alias.asname}" if alias.asname else alias.name
+        for alias in statement.names
+    ]
+    return "." * statement.level + statement.module, names
