@@ -1,9 +1,28 @@
-# SGLang public APIs
+"""SGLang public API."""
 
-# Frontend Language APIs
-from sglang.global_config import global_config
+import platform as _platform
+import sys as _sys
+
+# sglang.srt.environ must run before the rest of this file's imports
+# (hf_transformers_patches, lang.api, ...), which pull in torch and
+# FlashInfer: those claim these cache dirs early, and the first value set is
+# the one that sticks. Safe here -- environ has no heavy dependency (no torch).
+from sglang.srt.environ import (
+    redirect_third_party_caches as _redirect_third_party_caches,
+)
+
+_redirect_third_party_caches()
+
+if _sys.platform == "darwin" and _platform.machine() == "arm64":
+    from sglang._platform_stubs import install_platform_stubs as _install_platform_stubs
+
+    _install_platform_stubs()
+
+from sglang.srt.utils.hf_transformers_patches import apply_all as _apply_hf_patches
+
+_apply_hf_patches()
+
 from sglang.lang.api import (
-    Engine,
     Runtime,
     assistant,
     assistant_begin,
@@ -32,23 +51,33 @@ from sglang.lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from sglang.lang.global_config import global_config
 
-# Lazy import some libraries
+# Lazy backend clients
 from sglang.utils import LazyImport
 from sglang.version import __version__
 
 Anthropic = LazyImport("sglang.lang.backend.anthropic", "Anthropic")
+Crusoe = LazyImport("sglang.lang.backend.crusoe", "Crusoe")
 LiteLLM = LazyImport("sglang.lang.backend.litellm", "LiteLLM")
 OpenAI = LazyImport("sglang.lang.backend.openai", "OpenAI")
 VertexAI = LazyImport("sglang.lang.backend.vertexai", "VertexAI")
 
-# Runtime Engine APIs
+# Runtime API
 ServerArgs = LazyImport("sglang.srt.server_args", "ServerArgs")
 Engine = LazyImport("sglang.srt.entrypoints.engine", "Engine")
 
 __all__ = [
+    "Anthropic",
+    "Crusoe",
     "Engine",
+    "LiteLLM",
+    "OpenAI",
     "Runtime",
+    "RuntimeEndpoint",
+    "ServerArgs",
+    "VertexAI",
+    "__version__",
     "assistant",
     "assistant_begin",
     "assistant_end",
@@ -58,6 +87,8 @@ __all__ = [
     "gen_int",
     "gen_string",
     "get_server_info",
+    "global_config",
+    "greedy_token_selection",
     "image",
     "select",
     "separate_reasoning",
@@ -65,19 +96,10 @@ __all__ = [
     "system",
     "system_begin",
     "system_end",
+    "token_length_normalized",
+    "unconditional_likelihood_normalized",
     "user",
     "user_begin",
     "user_end",
     "video",
-    "RuntimeEndpoint",
-    "greedy_token_selection",
-    "token_length_normalized",
-    "unconditional_likelihood_normalized",
-    "ServerArgs",
-    "Anthropic",
-    "LiteLLM",
-    "OpenAI",
-    "VertexAI",
-    "global_config",
-    "__version__",
 ]

@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from sglang.srt.utils import is_hip, is_musa, is_npu
+from sglang.srt.utils import is_hip, is_mps, is_musa, is_npu, is_xpu
 
 
 def is_cuda_v2():
@@ -20,7 +21,7 @@ def is_cuda_v2():
 # List of packages to check versions
 PACKAGE_LIST = [
     "sglang",
-    "sgl_kernel",
+    "sglang-kernel",
     "flashinfer_python",
     "flashinfer_cubin",
     "flashinfer_jit_cache",
@@ -30,7 +31,6 @@ PACKAGE_LIST = [
     "numpy",
     "aiohttp",
     "fastapi",
-    "hf_transfer",
     "huggingface_hub",
     "interegular",
     "modelscope",
@@ -41,7 +41,6 @@ PACKAGE_LIST = [
     "pydantic",
     "python-multipart",
     "pyzmq",
-    "torchao",
     "uvicorn",
     "uvloop",
     "vllm",
@@ -50,7 +49,7 @@ PACKAGE_LIST = [
     "tiktoken",
     "anthropic",
     "litellm",
-    "decord2",
+    "torchcodec",
 ]
 
 
@@ -142,6 +141,19 @@ class BaseEnv:
             print(f"{k}: {v}")
 
 
+class CPUEnv(BaseEnv):
+    """Environment checker for CPU-only systems."""
+
+    def get_info(self):
+        return {
+            "CPU Architecture": platform.machine(),
+            "CPU Count": os.cpu_count(),
+        }
+
+    def get_topology(self):
+        return {}
+
+
 class GPUEnv(BaseEnv):
     """Environment checker for Nvidia GPU"""
 
@@ -195,22 +207,12 @@ class GPUEnv(BaseEnv):
         """
         Get CUDA driver version.
         """
-        versions = set()
-        try:
-            output = subprocess.check_output(
-                [
-                    "nvidia-smi",
-                    "--query-gpu=driver_version",
-                    "--format=csv,noheader,nounits",
-                ]
-            )
-            versions = set(output.decode().strip().split("\n"))
-            if len(versions) == 1:
-                return {"CUDA Driver Version": versions.pop()}
-            else:
-                return {"CUDA Driver Versions": ", ".join(sorted(versions))}
-        except subprocess.SubprocessError:
+        from sglang.srt.utils.common import get_nvidia_driver_version_str
+
+        ver = get_nvidia_driver_version_str()
+        if ver is None:
             return {"CUDA Driver Version": "Not Available"}
+        return {"CUDA Driver Version": ver}
 
     def get_topology(self):
         """
@@ -308,6 +310,31 @@ class HIPEnv(BaseEnv):
             return {}
 
 
+class XPUEnv(BaseEnv):
+    """Environment checker for Intel XPU."""
+
+    def get_info(self):
+        xpu_info = {"XPU available": torch.xpu.is_available()}
+
+        if xpu_info["XPU available"]:
+            xpu_info["XPU count"] = torch.xpu.device_count()
+            xpu_info.update(self.get_device_info())
+
+        return xpu_info
+
+    def get_device_info(self):
+        devices = defaultdict(list)
+        for k in range(torch.xpu.device_count()):
+            devices[torch.xpu.get_device_name(k)].append(str(k))
+
+        return {
+            f"XPU {','.join(device_ids)}": name for name, device_ids in devices.items()
+        }
+
+    def get_topology(self):
+        return {}
+
+
 class NPUEnv(BaseEnv):
     """Environment checker for Ascend NPU"""
 
@@ -373,7 +400,10 @@ class NPUEnv(BaseEnv):
         else:
             cann_info["CANN"] = "Not Available"
         try:
-            bisheng = os.path.join(CANN_HOME, "compiler/ccec_compiler/bin/bisheng")
+            bisheng = os.path.join(CANN_HOME, "tools/bisheng_compiler/bin/bisheng")
+            if not os.path.isfile(bisheng):
+                # Check path for old CANN version
+                bisheng = os.path.join(CANN_HOME, "compiler/ccec_compiler/bin/bisheng")
             bisheng_output = (
                 subprocess.check_output([bisheng, "--version"]).decode("utf-8").strip()
             )
@@ -513,13 +543,97 @@ class MUSAEnv(BaseEnv):
             return {}
 
 
-if __name__ == "__main__":
+class MPSEnv(BaseEnv):
+    """Environment checker for Apple Silicon MPS"""
+
+    EXTRA_PACKAGE_LIST = ["mlx", "mlx-lm", "mlx-metal"]
+
+    def __init__(self):
+        super().__init__()
+        self.package_list.extend(MPSEnv.EXTRA_PACKAGE_LIST)
+
+    def get_info(self):
+        import platform
+
+        info = {"MPS available": torch.backends.mps.is_available()}
+        if not info["MPS available"]:
+            return info
+
+        info["macOS Version"] = platform.mac_ver()[0]
+
+        try:
+            info["macOS Build"] = subprocess.check_output(
+                ["sw_vers", "-buildVersion"], text=True
+            ).strip()
+        except Exception:
+            info["macOS Build"] = "Not Available"
+
+        for label, key in [
+            ("Apple Silicon", "machdep.cpu.brand_string"),
+            ("Unified Memory", "hw.memsize"),
+            ("CPU Cores (Total)", "hw.ncpu"),
+        ]:
+            try:
+                info[label] = subprocess.check_output(
+                    ["sysctl", "-n", key], text=True
+                ).strip()
+            except Exception:
+                info[label] = "Not Available"
+
+        try:
+            mem_bytes = int(info["Unified Memory"])
+            info["Unified Memory"] = f"{mem_bytes / 1024**3:.1f} GB"
+        except Exception:
+            pass
+
+        for label, key in [
+            ("CPU Cores (Performance)", "hw.perflevel0.logicalcpu"),
+            ("CPU Cores (Efficiency)", "hw.perflevel1.logicalcpu"),
+        ]:
+            try:
+                info[label] = subprocess.check_output(
+                    ["sysctl", "-n", key], text=True
+                ).strip()
+            except Exception:
+                pass
+
+        # Single system_profiler call for both Metal support and GPU cores
+        info["Metal Support"] = "Not Available"
+        info["GPU Cores"] = "Not Available"
+        try:
+            sp = subprocess.check_output(
+                ["system_profiler", "SPDisplaysDataType"], text=True
+            )
+            for line in sp.splitlines():
+                line = line.strip()
+                if "Metal Support" in line or "Metal Family" in line:
+                    info["Metal Support"] = line.partition(":")[2].strip()
+                if "Total Number of Cores" in line:
+                    info["GPU Cores"] = line.partition(":")[2].strip()
+        except Exception:
+            pass
+
+        return info
+
+    def get_topology(self):
+        return {}
+
+
+def _get_env():
     if is_cuda_v2():
-        env = GPUEnv()
-    elif is_hip():
-        env = HIPEnv()
-    elif is_npu():
-        env = NPUEnv()
-    elif is_musa():
-        env = MUSAEnv()
-    env.check_env()
+        return GPUEnv()
+    if is_hip():
+        return HIPEnv()
+    if is_npu():
+        return NPUEnv()
+    if is_musa():
+        return MUSAEnv()
+    if is_xpu():
+        return XPUEnv()
+    if is_mps():
+        return MPSEnv()
+    return CPUEnv()
+
+
+if __name__ == "__main__":
+    _get_env().check_env()

@@ -17,12 +17,19 @@ import time
 
 import requests
 
+from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 from sglang.srt.entrypoints.http_server import launch_server
 from sglang.srt.entrypoints.warmup import warmup
 from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.model_executor.cuda_graph_config import (
+    Backend,
+    CudaGraphConfig,
+    Phase,
+)
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import kill_process_tree
 
@@ -58,17 +65,33 @@ async def warm_up_compile(
     disaggregation_mode: str, tokenizer_manager: TokenizerManager
 ):
     print("\nGenerate warm up request for compiling DeepGEMM...\n")
-    generate_req_input = GenerateReqInput(
-        input_ids=[0, 1, 2, 3],
-        sampling_params={
-            "temperature": 0.0,
-            "max_new_tokens": 8,
-            "ignore_eos": True,
-        },
-    )
+    dp_size = get_parallel().num_dp_ranks
+    base_ids = [0, 1, 2, 3]
+    sampling_params = {
+        "temperature": 0.0,
+        "max_new_tokens": 8,
+        "ignore_eos": True,
+    }
+
     if disaggregation_mode != "null":
-        generate_req_input.bootstrap_room = 0
-        generate_req_input.bootstrap_host = FAKE_BOOTSTRAP_HOST
+        input_ids = [list(base_ids) for _ in range(dp_size)]
+        generate_req_input = GenerateReqInput(
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+        )
+        generate_req_input.bootstrap_host = [FAKE_BOOTSTRAP_HOST] * dp_size
+        generate_req_input.bootstrap_room = [
+            i * (2**63 // dp_size) + (i % get_parallel().tp_size)
+            for i in range(dp_size)
+        ]
+    else:
+        input_ids = (
+            base_ids if dp_size == 1 else [list(base_ids) for _ in range(dp_size)]
+        )
+        generate_req_input = GenerateReqInput(
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+        )
 
     await tokenizer_manager.generate_request(generate_req_input, None).__anext__()
 
@@ -85,6 +108,11 @@ def launch_server_internal(server_args):
 def launch_server_process_and_send_one_request(
     server_args: ServerArgs, compile_args: CompileArgs
 ):
+    # Keeps the device probe out of the fork below, for a caller that reaches
+    # this without resolving first.
+    server_args.resolve_once()
+    cfg = resolving_view(server_args)
+
     proc = multiprocessing.Process(target=launch_server_internal, args=(server_args,))
     proc.start()
     base_url = f"http://{server_args.host}:{server_args.port}"
@@ -104,17 +132,27 @@ def launch_server_process_and_send_one_request(
             if response.status_code == 200:
                 # Rank-0 node send a request to sync with other node and then return.
                 if server_args.node_rank == 0:
+                    dp_size = cfg.dp_size
+                    base_ids = [0, 1, 2, 3]
                     payload = {
-                        "input_ids": [0, 1, 2, 3],
                         "sampling_params": {
                             "max_new_tokens": 8,
                             "temperature": 0,
                         },
                     }
-                    # In PD mode, include fake bootstrap fields so workers don't assert
-                    if server_args.disaggregation_mode != "null":
-                        payload["bootstrap_host"] = FAKE_BOOTSTRAP_HOST
-                        payload["bootstrap_room"] = 0
+                    if cfg.disaggregation_mode != "null":
+                        payload["input_ids"] = [list(base_ids) for _ in range(dp_size)]
+                        payload["bootstrap_host"] = [FAKE_BOOTSTRAP_HOST] * dp_size
+                        payload["bootstrap_room"] = [
+                            i * (2**63 // dp_size) + (i % cfg.tp_size)
+                            for i in range(dp_size)
+                        ]
+                    else:
+                        payload["input_ids"] = (
+                            base_ids
+                            if dp_size == 1
+                            else [list(base_ids) for _ in range(dp_size)]
+                        )
 
                     response = requests.post(
                         f"{base_url}/generate",
@@ -142,15 +180,28 @@ def launch_server_process_and_send_one_request(
     )
 
 
-def refine_server_args(server_args: ServerArgs, compile_args: CompileArgs):
-    # Disable cuda graph and torch compile to save time
-    server_args.disable_cuda_graph = True
-    server_args.enable_torch_compile = False
+def compile_server_args(args, compile_args: CompileArgs) -> ServerArgs:
+    """The config this script serves with: no cuda graph, no torch compile, and a
+    watchdog that outlives the compilation."""
+    args.enable_torch_compile = False
+    # The convenience flags lose to an explicit --cuda-graph-config JSON, which
+    # resolution applies last, so this tool's "no cuda graph" guarantee is
+    # merged into that JSON instead -- an operator serving with their own config
+    # still compiles without capture.
+    explicit = args.cuda_graph_config
+    if isinstance(explicit, CudaGraphConfig):
+        explicit = explicit.to_dict()
+    explicit = dict(explicit or {})
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        phase_config = dict(explicit.get(phase) or {})
+        phase_config["backend"] = Backend.DISABLED
+        explicit[phase] = phase_config
+    args.cuda_graph_config = explicit
+    # Watchdog timeout follows compile_args.timeout because compilation takes long.
+    args.watchdog_timeout = compile_args.timeout
+    args.warmups = "compile-deep-gemm"
     print(f"Disable CUDA Graph and Torch Compile to save time...")
-
-    # Set watchdog timeout to compile_args.timeout because compilation will take a long time
-    server_args.watchdog_timeout = compile_args.timeout
-    server_args.warmups = "compile-deep-gemm"
+    return ServerArgs.from_cli_args(args)
 
 
 def run_compile(server_args: ServerArgs, compile_args: CompileArgs):
@@ -183,9 +234,7 @@ if __name__ == "__main__":
     ServerArgs.add_cli_args(parser)
     CompileArgs.add_cli_args(parser)
     args = parser.parse_args()
-    server_args = ServerArgs.from_cli_args(args)
     compile_args = CompileArgs.from_cli_args(args)
-
-    refine_server_args(server_args, compile_args)
+    server_args = compile_server_args(args, compile_args)
 
     run_compile(server_args, compile_args)

@@ -27,95 +27,40 @@ from typing import (
 if TYPE_CHECKING:
     from sglang.multimodal_gen.runtime.server_args import Backend
 
-from sglang.multimodal_gen.configs.pipeline_configs import (
-    FastHunyuanConfig,
-    FluxPipelineConfig,
-    HunyuanConfig,
-    WanI2V480PConfig,
-    WanI2V720PConfig,
-    WanT2V480PConfig,
-    WanT2V720PConfig,
-    ZImagePipelineConfig,
-)
 from sglang.multimodal_gen.configs.pipeline_configs.base import PipelineConfig
-from sglang.multimodal_gen.configs.pipeline_configs.flux import (
-    Flux2KleinPipelineConfig,
-    Flux2PipelineConfig,
+from sglang.multimodal_gen.configs.pipeline_configs.flux3_action import (
+    FLUX3_ACTION_HF_PATHS,
+    is_flux3_action_package,
 )
-from sglang.multimodal_gen.configs.pipeline_configs.glm_image import (
-    GlmImagePipelineConfig,
+from sglang.multimodal_gen.configs.pipeline_configs.flux3_image import (
+    FLUX3_IMAGE_HF_PATHS,
+    FLUX3_IMAGE_NAME_PATTERNS,
+    is_flux3_image_package,
 )
-from sglang.multimodal_gen.configs.pipeline_configs.ltx_2 import LTX2PipelineConfig
-from sglang.multimodal_gen.configs.pipeline_configs.mova import (
-    MOVA360PConfig,
-    MOVA720PConfig,
-)
-from sglang.multimodal_gen.configs.pipeline_configs.qwen_image import (
-    QwenImageEditPipelineConfig,
-    QwenImageEditPlus_2511_PipelineConfig,
-    QwenImageEditPlusPipelineConfig,
-    QwenImageLayeredPipelineConfig,
-    QwenImagePipelineConfig,
-)
-from sglang.multimodal_gen.configs.pipeline_configs.wan import (
-    FastWan2_1_T2V_480P_Config,
-    FastWan2_2_TI2V_5B_Config,
-    TurboWanI2V720Config,
-    TurboWanT2V480PConfig,
-    Wan2_2_I2V_A14B_Config,
-    Wan2_2_T2V_A14B_Config,
-    Wan2_2_TI2V_5B_Config,
-)
-from sglang.multimodal_gen.configs.sample.flux import (
-    Flux2KleinSamplingParams,
-    FluxSamplingParams,
-)
-from sglang.multimodal_gen.configs.sample.glmimage import GlmImageSamplingParams
-from sglang.multimodal_gen.configs.sample.hunyuan import (
-    FastHunyuanSamplingParam,
-    HunyuanSamplingParams,
-)
-from sglang.multimodal_gen.configs.sample.ltx_2 import LTX2SamplingParams
-from sglang.multimodal_gen.configs.sample.mova import (
-    MOVA_360P_SamplingParams,
-    MOVA_720P_SamplingParams,
-)
-from sglang.multimodal_gen.configs.sample.qwenimage import (
-    QwenImage2512SamplingParams,
-    QwenImageEditPlusSamplingParams,
-    QwenImageLayeredSamplingParams,
-    QwenImageSamplingParams,
-)
-from sglang.multimodal_gen.configs.sample.wan import (
-    FastWanT2V480PConfig,
-    Turbo_Wan2_2_I2V_A14B_SamplingParam,
-    Wan2_1_Fun_1_3B_InP_SamplingParams,
-    Wan2_2_I2V_A14B_SamplingParam,
-    Wan2_2_T2V_A14B_SamplingParam,
-    Wan2_2_TI2V_5B_SamplingParam,
-    WanI2V_14B_480P_SamplingParam,
-    WanI2V_14B_720P_SamplingParam,
-    WanT2V_1_3B_SamplingParams,
-    WanT2V_14B_SamplingParams,
-)
-from sglang.multimodal_gen.configs.sample.zimage import (
-    ZImageSamplingParams,
-    ZImageTurboSamplingParams,
+from sglang.multimodal_gen.configs.sensenova_u1 import (
+    SENSENOVA_U1_MODEL_IDS,
+    is_sensenova_u1_adapter_only_model,
+    is_sensenova_u1_model,
 )
 from sglang.multimodal_gen.runtime.pipelines_core.composed_pipeline_base import (
     ComposedPipelineBase,
 )
+from sglang.multimodal_gen.runtime.utils.external_model_package import (
+    load_external_model_package,
+)
 from sglang.multimodal_gen.runtime.utils.hf_diffusers_utils import (
+    load_dict,
     maybe_download_model_index,
-    verify_model_config_and_directory,
 )
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+from sglang.multimodal_gen.runtime.utils.process import defer_full_gc_for_imports
 
 logger = init_logger(__name__)
 
 # --- Part 1: Pipeline Discovery ---
 
 _PIPELINE_REGISTRY: Dict[str, Type[ComposedPipelineBase]] = {}
+_BUILTIN_PIPELINES_DISCOVERED = False
 
 # Registry for pipeline configuration classes (for safetensors files without model_index.json)
 # Maps pipeline_class_name -> (PipelineConfig class, SamplingParams class)
@@ -129,50 +74,66 @@ def _discover_and_register_pipelines():
     finds modules with an 'EntryClass' attribute, and maps the class's 'pipeline_name'
     to the class itself in a global registry.
     """
-    if _PIPELINE_REGISTRY:  # run only once
+    global _BUILTIN_PIPELINES_DISCOVERED
+    if _BUILTIN_PIPELINES_DISCOVERED:
         return
 
-    package_name = "sglang.multimodal_gen.runtime.pipelines"
-    package = importlib.import_module(package_name)
+    with defer_full_gc_for_imports():
+        package_name = "sglang.multimodal_gen.runtime.pipelines"
+        package = importlib.import_module(package_name)
+        _BUILTIN_PIPELINES_DISCOVERED = True
 
-    for _, module_name, ispkg in pkgutil.walk_packages(
-        package.__path__, package.__name__ + "."
-    ):
-        if not ispkg:
-            pipeline_module = importlib.import_module(module_name)
-            if hasattr(pipeline_module, "EntryClass"):
-                entry_cls = pipeline_module.EntryClass
-                entry_cls_list = (
-                    [entry_cls] if not isinstance(entry_cls, list) else entry_cls
-                )
+        for _, module_name, ispkg in pkgutil.walk_packages(
+            package.__path__, package.__name__ + "."
+        ):
+            if not ispkg:
+                try:
+                    pipeline_module = importlib.import_module(module_name)
+                except Exception as exc:
+                    logger.warning(
+                        "Skipping pipeline module %s during discovery due to import failure: %s",
+                        module_name,
+                        exc,
+                    )
+                    logger.debug(
+                        "Pipeline import failure details for %s",
+                        module_name,
+                        exc_info=True,
+                    )
+                    continue
+                if hasattr(pipeline_module, "EntryClass"):
+                    entry_cls = pipeline_module.EntryClass
+                    entry_cls_list = (
+                        [entry_cls] if not isinstance(entry_cls, list) else entry_cls
+                    )
 
-                for cls in entry_cls_list:
-                    if not issubclass(cls, ComposedPipelineBase):
-                        continue
-                    if cls.pipeline_name in _PIPELINE_REGISTRY:
-                        logger.warning(
-                            f"Duplicate pipeline name '{cls.pipeline_name}' found. Overwriting."
-                        )
-                    _PIPELINE_REGISTRY[cls.pipeline_name] = cls
+                    for cls in entry_cls_list:
+                        if not issubclass(cls, ComposedPipelineBase):
+                            continue
+                        if cls.pipeline_name in _PIPELINE_REGISTRY:
+                            logger.warning(
+                                f"Duplicate pipeline name '{cls.pipeline_name}' found. Overwriting."
+                            )
+                        _PIPELINE_REGISTRY[cls.pipeline_name] = cls
 
-                    # Special handling for ComfyUI Pipelines:
-                    # Auto-register config classes if Pipeline class has them defined
-                    # since comfyui get model from a single weight file, so we need to register the config classes here
-                    if hasattr(cls, "pipeline_config_cls") and hasattr(
-                        cls, "sampling_params_cls"
-                    ):
-                        _PIPELINE_CONFIG_REGISTRY[cls.pipeline_name] = (
-                            cls.pipeline_config_cls,
-                            cls.sampling_params_cls,
-                        )
-                        logger.debug(
-                            f"Auto-registered config classes for pipeline '{cls.pipeline_name}': "
-                            f"PipelineConfig={cls.pipeline_config_cls.__name__}, "
-                            f"SamplingParams={cls.sampling_params_cls.__name__}"
-                        )
+                        # Special handling for ComfyUI Pipelines:
+                        # Auto-register config classes if Pipeline class has them defined
+                        # since comfyui get model from a single weight file, so we need to register the config classes here
+                        if hasattr(cls, "pipeline_config_cls") and hasattr(
+                            cls, "sampling_params_cls"
+                        ):
+                            _PIPELINE_CONFIG_REGISTRY[cls.pipeline_name] = (
+                                cls.pipeline_config_cls,
+                                cls.sampling_params_cls,
+                            )
     logger.debug(
         f"Registering pipelines complete, {len(_PIPELINE_REGISTRY)} pipelines registered"
     )
+
+
+def _ensure_registry_initialized() -> None:
+    _discover_and_register_pipelines()
+    load_external_model_package()
 
 
 def get_pipeline_config_classes(
@@ -182,8 +143,21 @@ def get_pipeline_config_classes(
     Get the configuration classes for a pipeline.
     """
     # Ensure pipelines are discovered first
-    _discover_and_register_pipelines()
+    _ensure_registry_initialized()
     return _PIPELINE_CONFIG_REGISTRY.get(pipeline_class_name)
+
+
+def get_pipeline_class(
+    pipeline_class_name: str,
+) -> Type[ComposedPipelineBase] | None:
+    """Get a registered pipeline class by name."""
+    _ensure_registry_initialized()
+    return _PIPELINE_REGISTRY.get(pipeline_class_name)
+
+
+def get_registered_pipeline_names() -> List[str]:
+    _ensure_registry_initialized()
+    return list(_PIPELINE_REGISTRY)
 
 
 # --- Part 2: Config Registration ---
@@ -205,13 +179,43 @@ _MODEL_HF_PATH_TO_NAME: Dict[str, str] = {}
 # Detectors to identify model families from paths or class names
 _MODEL_NAME_DETECTORS: List[Tuple[str, Callable[[str], bool]]] = []
 
+# native pipelines do not have a diffusers model_index.json. Keep their path
+# aliases next to the resolver that consumes them so CLI detection and
+# pipeline selection cannot drift apart
+KNOWN_NON_DIFFUSERS_DIFFUSION_MODEL_PATTERNS: Dict[str, str] = {
+    "sana-video_2.0": "SanaVideo2Pipeline",
+    "sana-video2": "SanaVideo2Pipeline",
+    "sana_video2": "SanaVideo2Pipeline",
+    "ming-image-0.1-design": "MingImagePipeline",
+    "minimaxai/minimax-h3": "MiniMaxH3Pipeline",
+    "minimax/minimax-h3": "MiniMaxH3Pipeline",
+    "fastvideo/fastvideo-fasth3-8-step-v2": "FastH3Pipeline",
+    "fastvideo/fastvideo-fasth3-omni-8-step-v1": "FastH3Pipeline",
+    "openvdn/vdn-minimax-h3": "VDNH3Pipeline",
+    "lerobot/pi05": "Pi05Pipeline",
+    "pi05": "Pi05Pipeline",
+    "pi0.5": "Pi05Pipeline",
+    "flux-3-action": "Flux3ActionPipeline",
+    "herzogenhorn/f3-image-small": "Flux3ImagePipeline",
+    **{pattern: "Flux3ImagePipeline" for pattern in FLUX3_IMAGE_NAME_PATTERNS},
+    "hunyuan3d": "Hunyuan3D2Pipeline",
+    "hunyuanimage-3": "HunyuanImage3Pipeline",
+    "flux.2-dev-nvfp4": "Flux2NvfpPipeline",
+    "fal/ideogram-v4-fast": "Ideogram4FastPipeline",
+    "fal/ideogram-v4-instant": "Ideogram4InstantPipeline",
+    "comfy-org/ideogram-4": "Ideogram4Nvfp4Pipeline",
+}
+
 
 def register_configs(
     sampling_param_cls: Any,
     pipeline_config_cls: Type[PipelineConfig],
     hf_model_paths: Optional[List[str]] = None,
     model_detectors: Optional[List[Callable[[str], bool]]] = None,
-):
+    pipeline_config_registry_entries: Optional[
+        Dict[str, Tuple[Type[PipelineConfig], Type[Any]]]
+    ] = None,
+) -> str:
     """
     Registers configuration classes for a new model family.
     """
@@ -233,6 +237,123 @@ def register_configs(
         for detector in model_detectors:
             _MODEL_NAME_DETECTORS.append((model_id, detector))
 
+    if pipeline_config_registry_entries:
+        for pipeline_name, (pc_cls, sp_cls) in pipeline_config_registry_entries.items():
+            _PIPELINE_CONFIG_REGISTRY.setdefault(pipeline_name, (pc_cls, sp_cls))
+
+    return model_id
+
+
+def register_pipeline(
+    pipeline_cls: Type[ComposedPipelineBase],
+    *,
+    sampling_param_cls: Any,
+    pipeline_config_cls: Type[PipelineConfig],
+    hf_model_paths: Optional[List[str]] = None,
+    model_detectors: Optional[List[Callable[[str], bool]]] = None,
+    overwrite: bool = False,
+) -> None:
+    """Register an out-of-tree native diffusion pipeline and its configs."""
+    _discover_and_register_pipelines()
+    if not issubclass(pipeline_cls, ComposedPipelineBase):
+        raise TypeError("pipeline_cls must inherit from ComposedPipelineBase")
+    if not issubclass(pipeline_config_cls, PipelineConfig):
+        raise TypeError("pipeline_config_cls must inherit from PipelineConfig")
+
+    pipeline_name = pipeline_cls.pipeline_name
+    existing_pipeline = _PIPELINE_REGISTRY.get(pipeline_name)
+    if existing_pipeline is not None and not overwrite:
+        raise ValueError(
+            f"Pipeline '{pipeline_name}' is already registered; pass overwrite=True to replace it"
+        )
+    for model_path in hf_model_paths or []:
+        if model_path in _MODEL_HF_PATH_TO_NAME and not overwrite:
+            raise ValueError(f"Model path '{model_path}' is already registered")
+        registered_pipeline = KNOWN_NON_DIFFUSERS_DIFFUSION_MODEL_PATTERNS.get(
+            model_path.lower()
+        )
+        if registered_pipeline is not None and not overwrite:
+            raise ValueError(
+                f"Model path '{model_path}' is already registered for pipeline "
+                f"'{registered_pipeline}'"
+            )
+
+    _PIPELINE_REGISTRY[pipeline_name] = pipeline_cls
+    _PIPELINE_CONFIG_REGISTRY[pipeline_name] = (
+        pipeline_config_cls,
+        sampling_param_cls,
+    )
+    config_id = register_configs(
+        sampling_param_cls=sampling_param_cls,
+        pipeline_config_cls=pipeline_config_cls,
+        hf_model_paths=hf_model_paths,
+        model_detectors=None if overwrite else model_detectors,
+    )
+    if overwrite and model_detectors:
+        _MODEL_NAME_DETECTORS[:0] = [
+            (config_id, detector) for detector in model_detectors
+        ]
+    for model_path in hf_model_paths or []:
+        KNOWN_NON_DIFFUSERS_DIFFUSION_MODEL_PATTERNS[model_path.lower()] = pipeline_name
+    _get_config_info.cache_clear()
+    get_model_info.cache_clear()
+    logger.info(
+        "Registered external diffusion pipeline '%s' from %s",
+        pipeline_name,
+        pipeline_cls.__module__,
+    )
+
+
+_configs_discovered: bool = False
+
+# SANA-WM (register BEFORE generic SANA T2I to prevent "sana" detector false-match)
+# SANA-Video (register before generic SANA to avoid detector overlap).
+_CONFIG_REGISTER_PRIORITY: Tuple[str, ...] = ("sana_wm", "sana_video2", "sana_video")
+
+
+@defer_full_gc_for_imports()
+def _discover_and_register_configs() -> None:
+    global _configs_discovered
+    if _configs_discovered:
+        return
+    _configs_discovered = True
+
+    package_name = "sglang.multimodal_gen.configs.pipeline_configs"
+    package = importlib.import_module(package_name)
+
+    discovered = []
+    for _, module_name, ispkg in pkgutil.walk_packages(
+        package.__path__, package.__name__ + "."
+    ):
+        if not ispkg:
+            try:
+                config_module = importlib.import_module(module_name)
+            except Exception as exc:
+                logger.warning(
+                    f"Skipping config module {module_name} during discovery due to import failure: {exc}",
+                )
+                continue
+            if hasattr(config_module, "register"):
+                discovered.append((module_name, config_module))
+
+    def _sort_key(item):
+        short_name = item[0].rsplit(".", 1)[-1]
+        try:
+            return (0, _CONFIG_REGISTER_PRIORITY.index(short_name))
+        except ValueError:
+            return (1, 0)
+
+    discovered.sort(key=_sort_key)
+
+    for module_name, config_module in discovered:
+        try:
+            config_module.register()
+        except Exception as exc:
+            logger.warning(
+                f"register() failed for {module_name}: {exc}",
+                exc_info=True,
+            )
+
 
 def get_model_short_name(model_id: str) -> str:
     if "/" in model_id:
@@ -241,40 +362,134 @@ def get_model_short_name(model_id: str) -> str:
         return model_id
 
 
-def _get_config_info(model_path: str) -> Optional[ConfigInfo]:
+def _normalize_hf_cache_path(path: str) -> str:
+    """Normalize a local HuggingFace cache path before substring matching.
+
+    We match registered repo ids like ``org/repo`` against cache fragments like ``models--org--repo`` that appear in snapshot/blob paths.
     """
-    Gets the ConfigInfo for a given model path using mappings and detectors.
-    """
+    return os.path.normpath(path).lower().replace("\\", "/")
+
+
+def _match_registered_hf_path(model_path: str) -> Optional[str]:
+    """The registered HF id ``model_path`` names: exactly, by short name, or as
+    a local HuggingFace cache path."""
+    all_model_hf_paths = sorted(_MODEL_HF_PATH_TO_NAME.keys(), key=len, reverse=True)
+
     # 1. Exact match
     if model_path in _MODEL_HF_PATH_TO_NAME:
-        model_id = _MODEL_HF_PATH_TO_NAME[model_path]
         logger.debug(f"Resolved model path '{model_path}' from exact path match.")
-        return _CONFIG_REGISTRY.get(model_id)
+        return model_path
 
     # 2. Partial match: find the best (longest) match against all registered model hf paths.
-    model_name = get_model_short_name(model_path.lower())
-    all_model_hf_paths = sorted(_MODEL_HF_PATH_TO_NAME.keys(), key=len, reverse=True)
+    model_short_name = get_model_short_name(model_path.lower())
     for registered_model_hf_id in all_model_hf_paths:
+        if registered_model_hf_id.lower() in SENSENOVA_U1_MODEL_IDS:
+            continue
         registered_model_name = get_model_short_name(registered_model_hf_id.lower())
 
-        if registered_model_name == model_name:
+        if registered_model_name in model_short_name:
             logger.debug(
                 f"Resolved model name '{registered_model_hf_id}' from partial path match."
             )
-            model_id = _MODEL_HF_PATH_TO_NAME[registered_model_hf_id]
-            return _CONFIG_REGISTRY.get(model_id)
+            return registered_model_hf_id
+
+    # 2b. Match local HuggingFace cache snapshot/blob paths such as:
+    #   .../models--org--repo/snapshots/<hash>
+    # This lets users pass a local HF cache snapshot directory directly even
+    # when its basename is only the snapshot hash.
+    # Example:
+    #    /xxx/models--black-forest-labs--FLUX.2-dev-NVFP4/snapshots/142b87e70bc3006937b7093d89ff287b5f59f071
+    # -> models--black-forest-labs--flux.2-dev-nvfp4 (to match with cache_repo_fragment)
+    normalized_model_path = _normalize_hf_cache_path(model_path)
+    for registered_model_hf_id in all_model_hf_paths:
+        if registered_model_hf_id.lower() in SENSENOVA_U1_MODEL_IDS:
+            continue
+        cache_repo_fragment = (
+            f"models--{registered_model_hf_id.lower().replace('/', '--')}"
+        )
+        if cache_repo_fragment in normalized_model_path:
+            logger.debug(
+                "Resolved HuggingFace cache path '%s' to registered model '%s'.",
+                model_path,
+                registered_model_hf_id,
+            )
+            return registered_model_hf_id
+
+    return None
+
+
+def has_registered_diffusion_model_path(model_path: str) -> bool:
+    _ensure_registry_initialized()
+    return (
+        is_sensenova_u1_model(model_path)
+        or _match_registered_hf_path(model_path) is not None
+    )
+
+
+@lru_cache(maxsize=1)
+def _get_config_info(
+    model_path: str, model_id: Optional[str] = None
+) -> Optional[ConfigInfo]:
+    """
+    Gets the ConfigInfo for a given model path using mappings and detectors.
+    """
+    _ensure_registry_initialized()
+    all_model_hf_paths = sorted(_MODEL_HF_PATH_TO_NAME.keys(), key=len, reverse=True)
+
+    # 0. Explicit model_id override: match by short name
+    if model_id is not None:
+        model_id_lower = model_id.lower()
+        for registered_hf_id in all_model_hf_paths:
+            if get_model_short_name(registered_hf_id).lower() == model_id_lower:
+                logger.debug(
+                    f"Resolved model via explicit --model-id '{model_id}' → '{registered_hf_id}'."
+                )
+                return _CONFIG_REGISTRY.get(_MODEL_HF_PATH_TO_NAME[registered_hf_id])
+        logger.warning(
+            f"--model-id '{model_id}' did not match any registered model; "
+            "falling back to automatic detection."
+        )
+
+    # SenseNova Hub IDs require an exact match, while local checkpoints are
+    # identified from their config metadata rather than their directory name.
+    if is_sensenova_u1_model(model_path):
+        for registered_hf_id in all_model_hf_paths:
+            if registered_hf_id.lower() in SENSENOVA_U1_MODEL_IDS:
+                return _CONFIG_REGISTRY.get(_MODEL_HF_PATH_TO_NAME[registered_hf_id])
+
+    # Local FLUX 3 Action exports are identified by their manifest, not their name.
+    if is_flux3_action_package(model_path):
+        return _CONFIG_REGISTRY.get(_MODEL_HF_PATH_TO_NAME[FLUX3_ACTION_HF_PATHS[0]])
+    if is_flux3_image_package(model_path):
+        return _CONFIG_REGISTRY.get(_MODEL_HF_PATH_TO_NAME[FLUX3_IMAGE_HF_PATHS[0]])
+
+    # 1/2/2b. Exact, short-name, or local HuggingFace cache path match
+    registered_hf_id = _match_registered_hf_path(model_path)
+    if registered_hf_id is not None:
+        return _CONFIG_REGISTRY.get(_MODEL_HF_PATH_TO_NAME[registered_hf_id])
 
     # 3. Use detectors
-    if os.path.exists(model_path):
-        config = verify_model_config_and_directory(model_path)
-    else:
+    pipeline_name = get_non_diffusers_pipeline_name(model_path)
+    if pipeline_name is None:
         config = maybe_download_model_index(model_path)
-
-    pipeline_name = config.get("_class_name", "").lower()
+        pipeline_name = config.get("_class_name", "")
+    pipeline_name = pipeline_name.lower()
+    # A local checkpoint that ships modular_model_index.json next to model_index.json
+    # may name a finer-grained pipeline there (the Wan-Animate-2 variants);
+    # maybe_download_model_index reads the modular file only when model_index.json is
+    # absent, so probe the detectors with its class as well.
+    modular_pipeline_name = (
+        load_dict(os.path.join(model_path, "modular_model_index.json"))
+        .get("_class_name", "")
+        .lower()
+    )
+    probes = [model_path.lower(), pipeline_name]
+    if modular_pipeline_name and modular_pipeline_name != pipeline_name:
+        probes.append(modular_pipeline_name)
 
     matched_model_names = []
     for model_id, detector in _MODEL_NAME_DETECTORS:
-        if detector(model_path.lower()) or detector(pipeline_name):
+        if any(detector(probe) for probe in probes):
             logger.debug(
                 f"Matched model name '{model_id}' using a registered detector."
             )
@@ -283,12 +498,16 @@ def _get_config_info(model_path: str) -> Optional[ConfigInfo]:
     if len(matched_model_names) >= 1:
         if len(matched_model_names) > 1:
             logger.warning(
-                f"More than one model name is matched, using the first matched"
+                "More than one model name is matched, using the first matched"
             )
         model_id = matched_model_names[0]
         return _CONFIG_REGISTRY.get(model_id)
     else:
-        raise RuntimeError(f"No model info found for model path: {model_path}")
+        logger.debug(
+            f"No model info found for model path: {model_path}. "
+            f"Please check the model path or specify the model_id explicitly."
+        )
+        return None
 
 
 # --- Part 3: Main Resolver ---
@@ -306,13 +525,20 @@ class ModelInfo:
     pipeline_config_cls: Type[PipelineConfig]
 
 
-def _get_diffusers_model_info(model_path: str) -> ModelInfo:
+def _get_diffusers_model_info(
+    model_path: Optional[str] = None,
+    model_id: Optional[str] = None,
+) -> ModelInfo:
     """
     Get model info for diffusers backend.
 
     Returns a ModelInfo with DiffusersPipeline and generic configs.
+    When model_path is provided and has a registered native config,
+    inherits task_type from it so that validation (e.g. accepts_image_input)
+    works correctly even under the diffusers backend.
     """
     from sglang.multimodal_gen.configs.pipeline_configs.diffusers_generic import (
+        DIFFUSERS_TASK_TYPE_TO_CONFIG,
         DiffusersGenericPipelineConfig,
     )
     from sglang.multimodal_gen.configs.sample.diffusers_generic import (
@@ -322,10 +548,30 @@ def _get_diffusers_model_info(model_path: str) -> ModelInfo:
         DiffusersPipeline,
     )
 
+    sampling_param_cls = DiffusersGenericSamplingParams
+    pipeline_config_cls = DiffusersGenericPipelineConfig
+
+    # If there is a registered native config for this model, inherit its task_type.
+    # We use pre-defined static subclasses instead of make_dataclass so the config
+    # class is pickle-safe for multiprocessing spawn (fixes #21453).
+    if model_path is not None:
+        config_info = _get_config_info(model_path, model_id=model_id)
+        if config_info is not None:
+            sampling_param_cls = config_info.sampling_param_cls
+            native_task_type = config_info.pipeline_config_cls.task_type
+            if native_task_type != DiffusersGenericPipelineConfig.task_type:
+                pipeline_config_cls = DIFFUSERS_TASK_TYPE_TO_CONFIG.get(
+                    native_task_type, DiffusersGenericPipelineConfig
+                )
+                logger.debug(
+                    "Inherited task_type=%s from native config for diffusers backend",
+                    native_task_type.name,
+                )
+
     return ModelInfo(
         pipeline_cls=DiffusersPipeline,
-        sampling_param_cls=DiffusersGenericSamplingParams,
-        pipeline_config_cls=DiffusersGenericPipelineConfig,
+        sampling_param_cls=sampling_param_cls,
+        pipeline_config_cls=pipeline_config_cls,
     )
 
 
@@ -333,6 +579,7 @@ def _get_diffusers_model_info(model_path: str) -> ModelInfo:
 def get_model_info(
     model_path: str,
     backend: Optional[Union[str, "Backend"]] = None,
+    model_id: Optional[str] = None,
 ) -> Optional[ModelInfo]:
     """
     Resolves all necessary classes (pipeline, sampling, config) for a given model path.
@@ -356,37 +603,69 @@ def get_model_info(
     elif isinstance(backend, str):
         backend = Backend.from_string(backend)
 
+    if is_sensenova_u1_adapter_only_model(model_path):
+        logger.error(
+            "SenseNova-U1 adapter-only checkpoint '%s' does not contain base "
+            "model weights or config. SenseNova-U1 adapters are not supported "
+            "yet; use the base checkpoint 'sensenova/SenseNova-U1.5-8B-MoT' "
+            "directly.",
+            model_path,
+        )
+        return None
+
     # Handle explicit diffusers backend
     if backend == Backend.DIFFUSERS:
         logger.info(
             "Using diffusers backend for model '%s' (explicitly requested)", model_path
         )
-        return _get_diffusers_model_info(model_path)
+        return _get_diffusers_model_info(model_path=model_path, model_id=model_id)
 
     # For AUTO or SGLANG backend, try native implementation first
     # 1. Discover all available pipeline classes and cache them
-    _discover_and_register_pipelines()
+    _ensure_registry_initialized()
 
-    # 2. Get pipeline class from model's model_index.json
-    try:
-        if os.path.exists(model_path):
-            config = verify_model_config_and_directory(model_path)
-        else:
+    # Detect quantized models and fallback to diffusers
+    is_quantized = any(q in model_path.lower() for q in ["-4bit", "-awq", "-gptq"])
+    if is_quantized and backend != Backend.DIFFUSERS:
+        logger.info(
+            "Detected a quantized model format ('%s'). "
+            "The native sglang-diffusion engine currently only supports BF16/FP16. "
+            "Falling back to diffusers backend.",
+            model_path,
+        )
+        return _get_diffusers_model_info(model_path=model_path, model_id=model_id)
+
+    # 2. Get pipeline class - check non-diffusers models first
+    pipeline_class_name = get_non_diffusers_pipeline_name(model_path)
+    if pipeline_class_name:
+        # Known non-diffusers model, skip model_index.json download
+        logger.debug(
+            f"Using registered pipeline '{pipeline_class_name}' for non-diffusers model '{model_path}'"
+        )
+    else:
+        # Try to get from model_index.json
+        try:
             config = maybe_download_model_index(model_path)
-    except Exception as e:
-        logger.error(f"Could not read model config for '{model_path}': {e}")
-        if backend == Backend.AUTO:
-            logger.info("Falling back to diffusers backend")
-            return _get_diffusers_model_info(model_path)
-        return None
+        except Exception as e:
+            logger.error(f"Could not read model config for '{model_path}': {e}")
+            if backend == Backend.AUTO:
+                logger.info("Falling back to diffusers backend")
+                return _get_diffusers_model_info(
+                    model_path=model_path, model_id=model_id
+                )
+            return None
 
-    pipeline_class_name = config.get("_class_name")
-    if not pipeline_class_name:
-        logger.error(f"'_class_name' not found in model_index.json for '{model_path}'")
-        if backend == Backend.AUTO:
-            logger.info("Falling back to diffusers backend")
-            return _get_diffusers_model_info(model_path)
-        return None
+        pipeline_class_name = config.get("_class_name")
+        if not pipeline_class_name:
+            logger.error(
+                f"'_class_name' not found in model_index.json for '{model_path}'"
+            )
+            if backend == Backend.AUTO:
+                logger.info("Falling back to diffusers backend")
+                return _get_diffusers_model_info(
+                    model_path=model_path, model_id=model_id
+                )
+            return None
 
     pipeline_cls = _PIPELINE_REGISTRY.get(pipeline_class_name)
     if not pipeline_cls:
@@ -395,7 +674,7 @@ def get_model_info(
                 f"Pipeline class '{pipeline_class_name}' specified in '{model_path}' has no native sglang support. "
                 f"Falling back to diffusers backend."
             )
-            return _get_diffusers_model_info(model_path)
+            return _get_diffusers_model_info(model_path=model_path, model_id=model_id)
         else:
             logger.error(
                 f"Pipeline class '{pipeline_class_name}' specified in '{model_path}' is not a registered EntryClass in the framework. "
@@ -405,14 +684,14 @@ def get_model_info(
             return None
 
     # 3. Get configuration classes (sampling, pipeline config)
-    config_info = _get_config_info(model_path)
+    config_info = _get_config_info(model_path, model_id=model_id)
     if not config_info:
         if backend == Backend.AUTO:
             logger.warning(
                 f"Could not resolve native configuration for model '{model_path}'. "
                 f"Falling back to diffusers backend."
             )
-            return _get_diffusers_model_info(model_path)
+            return _get_diffusers_model_info(model_path=model_path, model_id=model_id)
         else:
             logger.error(
                 f"Could not resolve configuration for model '{model_path}'. "
@@ -423,241 +702,50 @@ def get_model_info(
             return None
 
     # 4. Combine and return the complete model info
-    logger.info("Using native sglang backend for model '%s'", model_path)
+    logger.debug("Using native sglang backend for model '%s'", model_path)
     model_info = ModelInfo(
         pipeline_cls=pipeline_cls,
         sampling_param_cls=config_info.sampling_param_cls,
         pipeline_config_cls=config_info.pipeline_config_cls,
     )
-    logger.info(f"Found model info: {model_info}")
+    logger.debug(f"Found model info: {model_info}")
 
     return model_info
 
 
-# Registration of model configs
-def _register_configs():
-    # LTX-2
-    register_configs(
-        sampling_param_cls=LTX2SamplingParams,
-        pipeline_config_cls=LTX2PipelineConfig,
-        model_detectors=[
-            lambda path: "ltx" in path.lower() and "video" in path.lower(),
-            lambda path: "ltx-2" in path.lower(),
-        ],
-    )
-
-    # Hunyuan
-    register_configs(
-        sampling_param_cls=HunyuanSamplingParams,
-        pipeline_config_cls=HunyuanConfig,
-        hf_model_paths=[
-            "hunyuanvideo-community/HunyuanVideo",
-        ],
-        model_detectors=[lambda hf_id: "hunyuan" in hf_id.lower()],
-    )
-    register_configs(
-        sampling_param_cls=FastHunyuanSamplingParam,
-        pipeline_config_cls=FastHunyuanConfig,
-        hf_model_paths=[
-            "FastVideo/FastHunyuan-diffusers",
-        ],
-    )
-    # Wan
-    register_configs(
-        sampling_param_cls=WanT2V_1_3B_SamplingParams,
-        pipeline_config_cls=WanT2V480PConfig,
-        hf_model_paths=[
-            "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-        ],
-        model_detectors=[lambda hf_id: "wanpipeline" in hf_id.lower()],
-    )
-    register_configs(
-        sampling_param_cls=WanT2V_1_3B_SamplingParams,
-        pipeline_config_cls=TurboWanT2V480PConfig,
-        hf_model_paths=[
-            "IPostYellow/TurboWan2.1-T2V-1.3B-Diffusers",
-        ],
-    )
-    register_configs(
-        sampling_param_cls=WanT2V_14B_SamplingParams,
-        pipeline_config_cls=WanT2V720PConfig,
-        hf_model_paths=[
-            "Wan-AI/Wan2.1-T2V-14B-Diffusers",
-        ],
-    )
-    register_configs(
-        sampling_param_cls=WanT2V_14B_SamplingParams,
-        pipeline_config_cls=TurboWanT2V480PConfig,
-        hf_model_paths=[
-            "IPostYellow/TurboWan2.1-T2V-14B-Diffusers",
-            "IPostYellow/TurboWan2.1-T2V-14B-720P-Diffusers",
-        ],
-    )
-    register_configs(
-        sampling_param_cls=WanI2V_14B_480P_SamplingParam,
-        pipeline_config_cls=WanI2V480PConfig,
-        hf_model_paths=[
-            "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
-        ],
-        model_detectors=[lambda hf_id: "wanimagetovideo" in hf_id.lower()],
-    )
-    register_configs(
-        sampling_param_cls=WanI2V_14B_720P_SamplingParam,
-        pipeline_config_cls=WanI2V720PConfig,
-        hf_model_paths=[
-            "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
-        ],
-    )
-    register_configs(
-        sampling_param_cls=Turbo_Wan2_2_I2V_A14B_SamplingParam,
-        pipeline_config_cls=TurboWanI2V720Config,
-        hf_model_paths=[
-            "IPostYellow/TurboWan2.2-I2V-A14B-Diffusers",
-        ],
-    )
-    register_configs(
-        sampling_param_cls=Wan2_1_Fun_1_3B_InP_SamplingParams,
-        pipeline_config_cls=WanI2V480PConfig,
-        hf_model_paths=[
-            "weizhou03/Wan2.1-Fun-1.3B-InP-Diffusers",
-        ],
-    )
-    register_configs(
-        sampling_param_cls=Wan2_2_TI2V_5B_SamplingParam,
-        pipeline_config_cls=Wan2_2_TI2V_5B_Config,
-        hf_model_paths=[
-            "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-        ],
-    )
-    register_configs(
-        sampling_param_cls=Wan2_2_TI2V_5B_SamplingParam,
-        pipeline_config_cls=FastWan2_2_TI2V_5B_Config,
-        hf_model_paths=[
-            "FastVideo/FastWan2.2-TI2V-5B-FullAttn-Diffusers",
-            "FastVideo/FastWan2.2-TI2V-5B-Diffusers",
-        ],
-    )
-    register_configs(
-        sampling_param_cls=Wan2_2_T2V_A14B_SamplingParam,
-        pipeline_config_cls=Wan2_2_T2V_A14B_Config,
-        hf_model_paths=["Wan-AI/Wan2.2-T2V-A14B-Diffusers"],
-    )
-    register_configs(
-        sampling_param_cls=Wan2_2_I2V_A14B_SamplingParam,
-        pipeline_config_cls=Wan2_2_I2V_A14B_Config,
-        hf_model_paths=["Wan-AI/Wan2.2-I2V-A14B-Diffusers"],
-    )
-    register_configs(
-        sampling_param_cls=FastWanT2V480PConfig,
-        pipeline_config_cls=FastWan2_1_T2V_480P_Config,
-        hf_model_paths=[
-            "FastVideo/FastWan2.1-T2V-1.3B-Diffusers",
-        ],
-    )
-    # MOVA
-    register_configs(
-        sampling_param_cls=MOVA_360P_SamplingParams,
-        pipeline_config_cls=MOVA360PConfig,
-        model_detectors=[
-            lambda hf_id: "mova" in hf_id.lower() and "360p" in hf_id.lower()
-        ],
-    )
-    register_configs(
-        sampling_param_cls=MOVA_720P_SamplingParams,
-        pipeline_config_cls=MOVA720PConfig,
-        model_detectors=[
-            lambda hf_id: "mova" in hf_id.lower() and "720p" in hf_id.lower()
-        ],
-    )
-    # FLUX
-    register_configs(
-        sampling_param_cls=FluxSamplingParams,
-        pipeline_config_cls=FluxPipelineConfig,
-        hf_model_paths=[
-            "black-forest-labs/FLUX.1-dev",
-        ],
-        model_detectors=[lambda hf_id: "flux.1" in hf_id.lower()],
-    )
-    register_configs(
-        sampling_param_cls=Flux2KleinSamplingParams,
-        pipeline_config_cls=Flux2KleinPipelineConfig,
-        hf_model_paths=[
-            "black-forest-labs/FLUX.2-klein-4B",
-            "black-forest-labs/FLUX.2-klein-9B",
-        ],
-        model_detectors=[
-            lambda hf_id: "flux.2-klein" in hf_id.lower()
-            or "flux2-klein" in hf_id.lower()
-        ],
-    )
-    register_configs(
-        sampling_param_cls=FluxSamplingParams,
-        pipeline_config_cls=Flux2PipelineConfig,
-        hf_model_paths=[
-            "black-forest-labs/FLUX.2-dev",
-        ],
-        model_detectors=[
-            lambda hf_id: "flux.2" in hf_id.lower() and "klein" not in hf_id.lower()
-        ],
-    )
-    register_configs(
-        sampling_param_cls=ZImageTurboSamplingParams,
-        pipeline_config_cls=ZImagePipelineConfig,
-        hf_model_paths=[
-            "Tongyi-MAI/Z-Image-Turbo",
-        ],
-        model_detectors=[lambda hf_id: "z-image-turbo" in hf_id.lower()],
-    )
-    register_configs(
-        sampling_param_cls=ZImageSamplingParams,
-        pipeline_config_cls=ZImagePipelineConfig,
-        hf_model_paths=[
-            "Tongyi-MAI/Z-Image",
-        ],
-        model_detectors=[
-            lambda hf_id: "z-image" in hf_id.lower() and "turbo" not in hf_id.lower()
-        ],
-    )
-    # Qwen-Image
-    register_configs(
-        sampling_param_cls=QwenImageSamplingParams,
-        pipeline_config_cls=QwenImagePipelineConfig,
-        hf_model_paths=["Qwen/Qwen-Image"],
-    )
-    register_configs(
-        sampling_param_cls=QwenImage2512SamplingParams,
-        pipeline_config_cls=QwenImagePipelineConfig,
-        hf_model_paths=["Qwen/Qwen-Image-2512"],
-    )
-    register_configs(
-        sampling_param_cls=QwenImageSamplingParams,
-        pipeline_config_cls=QwenImageEditPipelineConfig,
-        hf_model_paths=["Qwen/Qwen-Image-Edit"],
-    )
-
-    register_configs(
-        sampling_param_cls=QwenImageEditPlusSamplingParams,
-        pipeline_config_cls=QwenImageEditPlusPipelineConfig,
-        hf_model_paths=["Qwen/Qwen-Image-Edit-2509"],
-    )
-
-    register_configs(
-        sampling_param_cls=QwenImageEditPlusSamplingParams,
-        pipeline_config_cls=QwenImageEditPlus_2511_PipelineConfig,
-        hf_model_paths=["Qwen/Qwen-Image-Edit-2511"],
-    )
-
-    register_configs(
-        sampling_param_cls=QwenImageLayeredSamplingParams,
-        pipeline_config_cls=QwenImageLayeredPipelineConfig,
-        hf_model_paths=["Qwen/Qwen-Image-Layered"],
-    )
-
-    register_configs(
-        sampling_param_cls=GlmImageSamplingParams,
-        pipeline_config_cls=GlmImagePipelineConfig,
-        model_detectors=[lambda hf_id: "glm-image" in hf_id.lower()],
-    )
+_discover_and_register_configs()
 
 
-_register_configs()
+def is_known_non_diffusers_multimodal_model(model_path: str) -> bool:
+    return get_non_diffusers_pipeline_name(model_path) is not None
+
+
+def get_non_diffusers_pipeline_name(model_path: str) -> Optional[str]:
+    """Get the pipeline name for a known non-diffusers model."""
+    if is_sensenova_u1_model(model_path):
+        return "SenseNovaU1Pipeline"
+    if is_flux3_action_package(model_path):
+        return "Flux3ActionPipeline"
+    if is_flux3_image_package(model_path):
+        return "Flux3ImagePipeline"
+
+    normalized_model_path = _normalize_hf_cache_path(model_path)
+    model_short_name = get_model_short_name(normalized_model_path)
+    for pattern, pipeline_name in KNOWN_NON_DIFFUSERS_DIFFUSION_MODEL_PATTERNS.items():
+        pattern = pattern.lower()
+        if "/" not in pattern and pattern in normalized_model_path:
+            return pipeline_name
+        if "/" in pattern and (
+            normalized_model_path == pattern
+            or model_short_name == get_model_short_name(pattern)
+            or f"models--{pattern.replace('/', '--')}" in normalized_model_path
+        ):
+            return pipeline_name
+    return None
+
+
+def is_registered_diffusion_model_path(model_path: str) -> bool:
+    """Return whether the diffusion registry recognizes a model path."""
+    return has_registered_diffusion_model_path(model_path) or (
+        get_non_diffusers_pipeline_name(model_path) is not None
+    )

@@ -4,6 +4,7 @@ from typing import List, Optional, Tuple
 
 from sglang.srt.utils import kill_process_tree
 from sglang.test.run_eval import run_eval
+from sglang.test.sgl_eval_utils import SGL_EVAL_BENCHMARKS, run_sgl_eval
 from sglang.test.test_utils import (
     DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
     DEFAULT_URL_FOR_TEST,
@@ -27,7 +28,11 @@ class AccuracyTestParams:
     thinking_mode: Optional[str] = None  # e.g., "deepseek-v3"
     temperature: Optional[float] = None
     top_p: Optional[float] = None
+    top_k: Optional[int] = None
     repeat: Optional[int] = None
+    api: Optional[str] = None  # "chat" or "completion"; defaults to "chat" in run_eval
+    seed: Optional[int] = None  # pin for reproducibility when temperature > 0
+    num_shots: Optional[int] = None  # few-shot count; None = run_eval's default
 
 
 @dataclass
@@ -49,13 +54,7 @@ def write_accuracy_github_summary(
     dataset: str,
     results: List[AccuracyTestResult],
 ) -> None:
-    """Write accuracy test results to GitHub step summary.
-
-    Args:
-        test_name: Name of the test
-        dataset: Dataset name used for evaluation
-        results: List of AccuracyTestResult objects
-    """
+    """Write accuracy test results to GitHub step summary."""
     summary = f"#### {test_name} - Accuracy ({dataset})\n"
     summary += "| config | status | score | baseline | error |\n"
     summary += "| ------ | ------ | ----- | -------- | ----- |\n"
@@ -78,25 +77,25 @@ def _run_simple_eval(
     dataset: str,
     num_examples: Optional[int] = None,
     num_threads: Optional[int] = None,
+    num_shots: Optional[int] = None,
     max_tokens: Optional[int] = None,
     return_latency: bool = False,
     thinking_mode: Optional[str] = None,
     temperature: Optional[float] = None,
     top_p: Optional[float] = None,
+    top_k: Optional[int] = None,
     repeat: Optional[int] = None,
+    api: Optional[str] = None,
+    seed: Optional[int] = None,
 ) -> Tuple[bool, Optional[str], Optional[dict]]:
-    """Run evaluation using simple_eval backend (run_eval.py).
-
-    Returns:
-        Tuple of (success, error_message, metrics_dict)
-    """
+    """Run ``dataset`` through run_sgl_eval (sgl-eval benchmarks) or run_eval."""
     process = None
     try:
         process = popen_launch_server(
             model.model_path,
             base_url,
             other_args=model.extra_args,
-            timeout=DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
+            timeout=model.launch_timeout or DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
             env=model.env,
         )
 
@@ -107,6 +106,12 @@ def _run_simple_eval(
             num_examples=num_examples,
             num_threads=num_threads or 1024,
         )
+
+        if num_shots is not None:
+            args.num_shots = num_shots
+
+        if api is not None:
+            args.api = api
 
         if max_tokens is not None:
             args.max_tokens = max_tokens
@@ -123,10 +128,17 @@ def _run_simple_eval(
         if top_p is not None:
             args.top_p = top_p
 
+        if top_k is not None:
+            args.top_k = top_k
+
         if repeat is not None:
             args.repeat = repeat
 
-        result = run_eval(args)
+        if seed is not None:
+            args.seed = seed
+
+        evaluate = run_sgl_eval if dataset in SGL_EVAL_BENCHMARKS else run_eval
+        result = evaluate(args)
 
         # Handle result format (run_eval can return metrics or (metrics, latency))
         if return_latency and isinstance(result, tuple):
@@ -145,107 +157,37 @@ def _run_simple_eval(
             kill_process_tree(process.pid)
 
 
-def _run_few_shot_eval(
-    model: ModelLaunchSettings,
-    base_url: str,
-    num_questions: Optional[int] = None,
-    num_shots: int = 8,
-    max_tokens: int = 512,
-) -> Tuple[bool, Optional[str], Optional[dict]]:
-    """Run evaluation using few_shot backend (few_shot_gsm8k.py).
-
-    Returns:
-        Tuple of (success, error_message, metrics_dict)
-    """
-    from sglang.test.few_shot_gsm8k import run_eval as run_few_shot_eval
-
-    process = None
-    try:
-        process = popen_launch_server(
-            model.model_path,
-            base_url,
-            other_args=model.extra_args,
-            timeout=DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
-            env=model.env,
-        )
-
-        args = SimpleNamespace(
-            num_shots=num_shots,
-            data_path=None,
-            num_questions=num_questions or 200,
-            max_new_tokens=max_tokens,
-            parallel=128,
-            host="http://127.0.0.1",
-            port=int(base_url.split(":")[-1]),
-        )
-
-        metrics = run_few_shot_eval(args)
-
-        # Normalize metrics format (few_shot returns "accuracy", simple_eval returns "score")
-        if "accuracy" in metrics and "score" not in metrics:
-            metrics["score"] = metrics["accuracy"]
-
-        return True, None, metrics
-
-    except Exception as e:
-        return False, f"Few-shot evaluation exception: {str(e)}", None
-
-    finally:
-        if process:
-            kill_process_tree(process.pid)
-
-
 def run_accuracy_test(
     model: ModelLaunchSettings,
     params: AccuracyTestParams,
     base_url: Optional[str] = None,
 ) -> AccuracyTestResult:
-    """Run accuracy test for a single model.
-
-    Args:
-        model: ModelLaunchSettings with model config
-        params: AccuracyTestParams with dataset, baseline, and optional settings
-        base_url: Server base URL (default: DEFAULT_URL_FOR_TEST)
-
-    Returns:
-        AccuracyTestResult with test outcome
-    """
+    """Run accuracy test for a single model."""
     base_url = base_url or DEFAULT_URL_FOR_TEST
 
-    print(f"\n{'='*60}")
+    print(f"\n{'=' * 60}")
     print(f"Running ACCURACY test for {model.model_path}")
     print(f"  Dataset: {params.dataset}")
     print(f"  Baseline: {params.baseline_accuracy}")
-    print(f"{'='*60}\n")
+    print(f"{'=' * 60}\n")
 
-    # Run evaluation based on dataset type
-    # Use few_shot_eval for gsm8k by default for backward compatibility.
-    # Use simple_eval when any extended params are set that few_shot_eval doesn't support.
-    has_extended_params = any(
-        getattr(params, field) is not None
-        for field in ("thinking_mode", "temperature", "top_p", "repeat")
+    success, error, metrics = _run_simple_eval(
+        model=model,
+        base_url=base_url,
+        dataset=params.dataset,
+        num_examples=params.num_examples,
+        num_threads=params.num_threads,
+        num_shots=params.num_shots,
+        max_tokens=params.max_tokens,
+        return_latency=params.return_latency,
+        thinking_mode=params.thinking_mode,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        repeat=params.repeat,
+        api=params.api,
+        seed=params.seed,
     )
-    if params.dataset == "gsm8k" and not has_extended_params:
-        success, error, metrics = _run_few_shot_eval(
-            model=model,
-            base_url=base_url,
-            num_questions=params.num_examples,
-            max_tokens=params.max_tokens or 512,
-        )
-    else:
-        success, error, metrics = _run_simple_eval(
-            model=model,
-            base_url=base_url,
-            dataset=params.dataset,
-            num_examples=params.num_examples,
-            num_threads=params.num_threads,
-            max_tokens=params.max_tokens,
-            return_latency=params.return_latency,
-            thinking_mode=params.thinking_mode,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            repeat=params.repeat,
-        )
 
     if not success:
         print(f"✗ Accuracy test failed for {model.model_path}: {error}")

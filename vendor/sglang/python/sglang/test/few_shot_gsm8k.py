@@ -1,6 +1,10 @@
 """
 Run few-shot GSM-8K evaluation.
 
+.. deprecated::
+    This module is deprecated. Use ``sgl-eval run gsm8k`` or
+    ``sglang.test.sgl_eval_utils.run_sgl_eval`` instead.
+
 Usage:
 python3 -m sglang.test.few_shot_gsm8k --num-questions 200
 """
@@ -9,12 +13,18 @@ import argparse
 import ast
 import re
 import time
+import warnings
 
 import numpy as np
 
 from sglang.lang.api import set_default_backend
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
-from sglang.utils import download_and_cache_file, dump_state_text, read_jsonl
+from sglang.utils import (
+    download_and_cache_file,
+    dump_state_text,
+    normalize_base_url,
+    read_jsonl,
+)
 
 INVALID = -9999999
 
@@ -45,8 +55,14 @@ def get_answer_value(answer_str):
 
 
 def run_eval(args):
+    warnings.warn(
+        "sglang.test.few_shot_gsm8k is deprecated. "
+        "Use `sgl-eval run gsm8k` or sglang.test.sgl_eval_utils.run_sgl_eval instead.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     # Select backend
-    set_default_backend(RuntimeEndpoint(f"{args.host}:{args.port}"))
+    set_default_backend(RuntimeEndpoint(normalize_base_url(args.host, args.port)))
 
     if args.data_path is None:
         # Read data
@@ -142,7 +158,7 @@ if __name__ == "__main__":
     parser.add_argument("--num-questions", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--parallel", type=int, default=128)
-    parser.add_argument("--host", type=str, default="http://127.0.0.1")
+    parser.add_argument("--host", type=str, default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()

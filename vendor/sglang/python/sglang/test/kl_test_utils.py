@@ -2,6 +2,7 @@ import inspect
 import json
 import os
 import random
+import time
 
 import numpy as np
 import requests
@@ -14,7 +15,14 @@ LONGBENCH_V2_DATASET = "THUDM/LongBench-v2"
 LONGBENCH_V2_SPLIT = "train"
 DEFAULT_NUM_SAMPLES = 48  # Number of samples to use
 DEFAULT_PROMPT_TOKENS = 3000  # Maximum number of tokens to use
-CACHE_DIR = os.path.join(os.path.dirname(__file__), ".longbench_cache")
+# Outside the repo, where CI's checkout clean would wipe it before every job.
+CACHE_DIR = os.path.join(
+    os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+    "sglang",
+    "longbench",
+)
+# Fail the test instead of letting a slow stream run out the CI job.
+DOWNLOAD_TIMEOUT_S = 300
 
 # In-memory cache for the current session
 _cached_input_ids = {}
@@ -28,7 +36,10 @@ def format_longbench_v2_example(example):
 
 
 def get_input_ids(
-    tokenizer_path, max_prompt_tokens=DEFAULT_PROMPT_TOKENS, num_samples=None
+    tokenizer_path,
+    max_prompt_tokens=DEFAULT_PROMPT_TOKENS,
+    num_samples=None,
+    trust_remote_code=False,
 ):
     """Get input_ids from LongBench V2 dataset with local caching."""
     # Create cache key based on parameters
@@ -67,7 +78,7 @@ def get_input_ids(
             "Please install the 'datasets' package: pip install datasets"
         ) from exc
 
-    tokenizer = get_tokenizer(tokenizer_path)
+    tokenizer = get_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
 
     print(f"Downloading {num_samples} samples from LongBench V2 (streaming)...")
     dataset = load_dataset(
@@ -75,18 +86,26 @@ def get_input_ids(
     )
 
     input_ids = []
-    for i, example in enumerate(dataset):
+    deadline = time.monotonic() + DOWNLOAD_TIMEOUT_S
+    for example in dataset:
         if len(input_ids) >= num_samples:
             break
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"LongBench V2 download exceeded {DOWNLOAD_TIMEOUT_S}s after "
+                f"{len(input_ids)}/{num_samples} samples"
+            )
         text = format_longbench_v2_example(example)
         tokens = tokenizer.encode(text)
         # Truncate to a random length between 0.5x and 1.5x of max_prompt_tokens
         truncate_len = int(max_prompt_tokens * random.uniform(0.5, 1.5))
         input_ids.append(tokens[:truncate_len])
 
-    # Save to local cache
-    with open(cache_file, "w") as f:
+    # Save to local cache; concurrent jobs may share the directory.
+    tmp_file = f"{cache_file}.{os.getpid()}.tmp"
+    with open(tmp_file, "w") as f:
         json.dump(input_ids, f)
+    os.replace(tmp_file, cache_file)
     print(f"Saved {len(input_ids)} prompts to cache: {cache_file}")
 
     # Also cache in memory
@@ -118,18 +137,29 @@ def compare_kl_divergence(
 
 
 # Common request helpers
-def _flush_cache(base_url):
-    requests.post(base_url + "/flush_cache")
+def _flush_cache(base_url, timeout_s=30):
+    response = requests.post(
+        base_url + "/flush_cache",
+        params={"timeout": timeout_s},
+        timeout=timeout_s + 10,
+    )
+    response.raise_for_status()
 
 
 def _generate(
-    base_url, input_ids, max_new_tokens, return_logprob=False, logprob_start_len=-1
+    base_url,
+    input_ids,
+    max_new_tokens,
+    return_logprob=False,
+    logprob_start_len=-1,
+    temperature=0.0,
+    routed_dp_rank=None,
 ):
     """Send generate request and return results."""
     json_data = {
         "input_ids": input_ids,
         "sampling_params": {
-            "temperature": 1,
+            "temperature": temperature,
             "max_new_tokens": max_new_tokens,
             "ignore_eos": True,
         },
@@ -142,11 +172,19 @@ def _generate(
                 "logprob_start_len": logprob_start_len,
             }
         )
+    if routed_dp_rank is not None:
+        json_data["routed_dp_rank"] = routed_dp_rank
     response = requests.post(base_url + "/generate", json=json_data)
     return response.json()
 
 
-def _get_input_logprobs(base_url, new_input_ids, output_logprobs):
+def _get_input_logprobs(
+    base_url,
+    new_input_ids,
+    output_logprobs,
+    temperature=0.0,
+    routed_dp_rank=None,
+):
     """Run prefill to get input logprobs matching output logprobs."""
     _flush_cache(base_url)
     results = _generate(
@@ -155,6 +193,8 @@ def _get_input_logprobs(base_url, new_input_ids, output_logprobs):
         max_new_tokens=0,
         return_logprob=True,
         logprob_start_len=0,
+        temperature=temperature,
+        routed_dp_rank=routed_dp_rank,
     )
     assert len(results) == len(new_input_ids)
 
@@ -172,12 +212,21 @@ def _extract_output_logprobs(result):
 
 
 def test_input_output_logprobs_match_helper(
-    base_url, ACC_THRESHOLDS, model_name, max_samples=None, max_new_tokens=16000
+    base_url,
+    ACC_THRESHOLDS,
+    model_name,
+    max_samples=None,
+    max_new_tokens=16000,
+    trust_remote_code=False,
 ):
     num_samples = DEFAULT_NUM_SAMPLES
     if max_samples is not None and max_samples > num_samples:
         num_samples = max_samples
-    input_ids = get_input_ids(tokenizer_path=model_name, num_samples=num_samples)
+    input_ids = get_input_ids(
+        tokenizer_path=model_name,
+        num_samples=num_samples,
+        trust_remote_code=trust_remote_code,
+    )
     if max_samples is not None:
         input_ids = input_ids[:max_samples]
     print(f"Running test_input_output_logprobs_match with {len(input_ids)} prompts")
@@ -206,9 +255,14 @@ def test_input_output_logprobs_match_helper(
 
 
 def test_input_output_logprobs_match_prefill_cache_hit_helper(
-    base_url, ACC_THRESHOLDS, model_name, max_samples=None, max_new_tokens=8192
+    base_url,
+    ACC_THRESHOLDS,
+    model_name,
+    max_samples=None,
+    max_new_tokens=8192,
+    trust_remote_code=False,
 ):
-    server_info = requests.get(base_url + "/get_server_info").json()
+    server_info = requests.get(base_url + "/server_info").json()
     if server_info["disable_radix_cache"]:
         print("Radix cache is disabled, skipping test")
         return
@@ -216,7 +270,11 @@ def test_input_output_logprobs_match_prefill_cache_hit_helper(
     num_samples = DEFAULT_NUM_SAMPLES
     if max_samples is not None and max_samples > num_samples:
         num_samples = max_samples
-    input_ids = get_input_ids(tokenizer_path=model_name, num_samples=num_samples)
+    input_ids = get_input_ids(
+        tokenizer_path=model_name,
+        num_samples=num_samples,
+        trust_remote_code=trust_remote_code,
+    )
     if max_samples is not None:
         input_ids = input_ids[:max_samples]
     print(
@@ -242,9 +300,10 @@ def test_input_output_logprobs_match_prefill_cache_hit_helper(
         new_input_ids.append(input_ids[i] + result["output_ids"])
         output_logprobs.append(_extract_output_logprobs(result))
 
-    assert len(new_input_ids) > 0.5 * len(
-        input_ids
-    ), f"Too few prefill cache hits: {len(new_input_ids)}/{len(input_ids)}"
+    if not os.environ.get("SGLANG_TEST_SKIP_CACHE_HIT_ASSERT"):
+        assert len(new_input_ids) > 0.5 * len(input_ids), (
+            f"Too few prefill cache hits: {len(new_input_ids)}/{len(input_ids)}"
+        )
 
     print("Flush Cache and run prefill to get input logprobs ...")
     input_logprobs = _get_input_logprobs(base_url, new_input_ids, output_logprobs)
@@ -259,9 +318,15 @@ def test_input_output_logprobs_match_prefill_cache_hit_helper(
 
 
 def test_input_output_logprobs_match_decode_cache_hit_helper(
-    base_url, ACC_THRESHOLDS, model_name, max_samples=None, max_new_tokens=8192
+    base_url,
+    ACC_THRESHOLDS,
+    model_name,
+    max_samples=None,
+    max_new_tokens=8192,
+    trust_remote_code=False,
+    min_cache_hit_ratio=0.5,
 ):
-    server_info = requests.get(base_url + "/get_server_info").json()
+    server_info = requests.get(base_url + "/server_info").json()
     if server_info["disable_radix_cache"]:
         print("Radix cache is disabled, skipping test")
         return
@@ -270,7 +335,9 @@ def test_input_output_logprobs_match_decode_cache_hit_helper(
     if max_samples is not None and max_samples > num_samples:
         num_samples = max_samples
     first_turn_input_ids = get_input_ids(
-        tokenizer_path=model_name, num_samples=num_samples
+        tokenizer_path=model_name,
+        num_samples=num_samples,
+        trust_remote_code=trust_remote_code,
     )
     if max_samples is not None:
         first_turn_input_ids = first_turn_input_ids[:max_samples]
@@ -286,7 +353,9 @@ def test_input_output_logprobs_match_decode_cache_hit_helper(
     )
     assert len(results) == len(first_turn_input_ids)
 
-    tokenizer = get_tokenizer(tokenizer_name=model_name)
+    tokenizer = get_tokenizer(
+        tokenizer_name=model_name, trust_remote_code=trust_remote_code
+    )
     comma_token_id = tokenizer.encode(",")
 
     second_turn_input_ids = [
@@ -310,9 +379,13 @@ def test_input_output_logprobs_match_decode_cache_hit_helper(
         new_input_ids.append(second_turn_input_ids[i] + result["output_ids"])
         output_logprobs.append(_extract_output_logprobs(result))
 
-    assert len(new_input_ids) > 0.5 * len(
-        second_turn_input_ids
-    ), f"Too few decode cache hits: {len(new_input_ids)}/{len(second_turn_input_ids)}"
+    if not os.environ.get("SGLANG_TEST_SKIP_CACHE_HIT_ASSERT"):
+        # Page-aligned SWA retention decides which prompts hit at all, so the default
+        # only screens out a vacuous run. A caller whose checkpoint interval makes
+        # every prompt hit raises this to pin that down.
+        assert len(new_input_ids) > min_cache_hit_ratio * len(second_turn_input_ids), (
+            f"Too few decode cache hits: {len(new_input_ids)}/{len(second_turn_input_ids)}"
+        )
 
     print("Flush Cache and run prefill to get input logprobs ...")
     input_logprobs = _get_input_logprobs(base_url, new_input_ids, output_logprobs)

@@ -1,11 +1,8 @@
 import json
-import logging
 import os
 from typing import List, Optional
 
 from pydantic import BaseModel
-
-logger = logging.getLogger(__name__)
 
 # TODO:
 # There is huge redundancy between BenchmarkResult and BenchOneCaseResult, and redundancy between to_markdown_row, generate_markdown_report, get_report_summary.
@@ -33,17 +30,7 @@ class BenchmarkResult(BaseModel):
     profile_link_decode: Optional[str] = None
     server_args: Optional[List[str]] = None
 
-    @staticmethod
-    def help_str() -> str:
-        return f"""
-Note: To view the traces through perfetto-ui, please:
-    1. open with Google Chrome
-    2. allow popup
-"""
-
-    def to_markdown_row(
-        self, trace_dir, base_url: str = "", relay_base: str = ""
-    ) -> str:
+    def to_markdown_row(self) -> str:
         """Convert this benchmark result to a markdown table row."""
 
         hourly_cost_per_gpu = 2  # $2/hour for one H100
@@ -54,42 +41,11 @@ Note: To view the traces through perfetto-ui, please:
         input_cost = 1e6 / (self.input_throughput * input_util) / 3600 * hourly_cost
         output_cost = 1e6 / self.output_throughput / 3600 * hourly_cost
 
-        def get_perfetto_relay_link_from_trace_file(trace_file: str):
-            from urllib.parse import quote
-
-            rel_path = os.path.relpath(trace_file, trace_dir)
-            raw_file_link = f"{base_url}/{rel_path}"
-            relay_link = (
-                f"{relay_base}?src={quote(raw_file_link, safe='')}"
-                if relay_base
-                else raw_file_link
-            )
-            return relay_link
-
-        # Handle profile links
-        profile_link = "NA | NA"
-        if self.profile_link_extend or self.profile_link_decode:
-            # Create a combined link or use the first available one
-            trace_files = [self.profile_link_extend, self.profile_link_decode]
-            if any(trace_file is None for trace_file in trace_files):
-                logger.error("Some trace files are None", f"{trace_files=}")
-            trace_files_relay_links = [
-                (
-                    f"[trace]({get_perfetto_relay_link_from_trace_file(trace_file)})"
-                    if trace_file
-                    else "N/A"
-                )
-                for trace_file in trace_files
-            ]
-
-            profile_link = " | ".join(trace_files_relay_links)
-
-        # Build the row
-        return f"| {self.batch_size} | {self.input_len} | {self.latency:.2f} | {self.input_throughput:.2f} | {self.output_throughput:.2f} | {accept_length} | {itl:.2f} | {input_cost:.2f} | {output_cost:.2f} | {profile_link} |\n"
+        return f"| {self.batch_size} | {self.input_len} | {self.latency:.2f} | {self.input_throughput:.2f} | {self.output_throughput:.2f} | {accept_length} | {itl:.2f} | {input_cost:.2f} | {output_cost:.2f} |\n"
 
 
 def generate_markdown_report(
-    trace_dir, results: List[BenchmarkResult], variant: Optional[str] = None
+    results: List[BenchmarkResult], variant: Optional[str] = None
 ) -> str:
     """Generate a markdown report from a list of BenchmarkResult object from a single run."""
     # Build model header with run_name if it's not "default"
@@ -107,17 +63,52 @@ def generate_markdown_report(
 
     summary = f"### {model_header}\n"
 
-    summary += "| batch size | input len | latency (s) | input throughput (tok/s)  | output throughput (tok/s) | acc length | ITL (ms) | input cost ($/1M) | output cost ($/1M) | profile (extend) | profile (decode)|\n"
-    summary += "| ---------- | --------- | ----------- | ------------------------- | ------------------------- | ---------- | -------- | ----------------- | ------------------ | ---------------- | --------------- |\n"
+    summary += "| batch size | input len | latency (s) | input throughput (tok/s)  | output throughput (tok/s) | acc length | ITL (ms) | input cost ($/1M) | output cost ($/1M) |\n"
+    summary += "| ---------- | --------- | ----------- | ------------------------- | ------------------------- | ---------- | -------- | ----------------- | ------------------ |\n"
 
     # all results should share the same isl & osl
     for result in results:
-        base_url = os.getenv("TRACE_BASE_URL", "").rstrip("/")
-        relay_base = os.getenv(
-            "PERFETTO_RELAY_URL",
-            "",
-        ).rstrip("/")
-        summary += result.to_markdown_row(trace_dir, base_url, relay_base)
+        summary += result.to_markdown_row()
+
+    return summary
+
+
+def generate_simple_markdown_report(
+    results: List[BenchmarkResult], default_gpu_config: str = ""
+) -> str:
+    """Generate a markdown report without the H100-priced cost columns.
+
+    Drops the leading result when it is a warmup run, which the caller requests
+    by repeating the first batch size.
+    """
+    model_header = results[0].model_path
+    if results[0].run_name and results[0].run_name != "default":
+        model_header += f" ({results[0].run_name})"
+
+    gpu_config = os.getenv("GPU_CONFIG", default_gpu_config)
+    if gpu_config:
+        model_header += f" [{gpu_config}]"
+
+    summary = f"### {model_header}\n"
+    summary += "| batch size | input len | latency (s) | input throughput (tok/s) | output throughput (tok/s) | ITL (ms) |\n"
+    summary += "| ---------- | --------- | ----------- | ------------------------ | ------------------------- | -------- |\n"
+
+    report_results = (
+        results[1:]
+        if len(results) > 1 and results[0].batch_size == results[1].batch_size
+        else results
+    )
+
+    for result in report_results:
+        itl = (
+            1 / (result.output_throughput / result.batch_size) * 1000
+            if result.output_throughput > 0
+            else 0
+        )
+        summary += (
+            f"| {result.batch_size} | {result.input_len} | {result.latency:.2f} | "
+            f"{result.input_throughput:.2f} | {result.output_throughput:.2f} | {itl:.2f} |\n"
+        )
 
     return summary
 

@@ -10,10 +10,10 @@ from sglang.test.test_utils import DEFAULT_URL_FOR_TEST, ModelLaunchSettings
 class PerformanceTestParams:
     """Parameters for performance testing."""
 
-    batch_sizes: List[int] = field(default_factory=lambda: [1, 8, 16, 64])
-    input_lens: Tuple[int, ...] = (4096,)
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 8, 16])
+    input_lens: Tuple[int, ...] = (8192,)
     output_lens: Tuple[int, ...] = (512,)
-    profile_dir: Optional[str] = None  # None = auto-generate based on is_vlm
+    result_dir: Optional[str] = None  # None = auto-generate based on is_vlm
     dataset_name: str = "mmmu"  # For VLM perf test
     # MTP/EAGLE speculative decoding: minimum accept length threshold (None = no validation)
     spec_accept_length_threshold: Optional[float] = None
@@ -55,7 +55,7 @@ def run_performance_test(
     if batch_sizes is None:
         batch_sizes = [1, 8, 16, 64]
 
-    print(f"\n{'='*60}")
+    print(f"\n{'=' * 60}")
     print(f"Running PERFORMANCE test for {model.model_path}")
     print(f"  Variant: {model.variant}")
     print(f"  Batch sizes: {batch_sizes}")
@@ -63,7 +63,7 @@ def run_performance_test(
     print(f"  Output lens: {output_lens}")
     if spec_accept_length_threshold is not None:
         print(f"  Spec accept length threshold: {spec_accept_length_threshold}")
-    print(f"{'='*60}\n")
+    print(f"{'=' * 60}\n")
 
     # Build extra args for benchmarks
     extra_bench_args = ["--trust-remote-code"]
@@ -85,6 +85,19 @@ def run_performance_test(
         if success and results:
             perf_runner.add_report(results, variant=model.variant)
             print(f"✓ Performance test succeeded for {model.model_path}")
+
+            # Fall back to the per-run accept lengths captured during benchmarking
+            # when the cumulative /server_info metric is unavailable.
+            if avg_spec_accept_length is None:
+                run_accept_lengths = [
+                    r.acc_length
+                    for r in results
+                    if r.acc_length is not None and r.acc_length > 0
+                ]
+                if run_accept_lengths:
+                    avg_spec_accept_length = sum(run_accept_lengths) / len(
+                        run_accept_lengths
+                    )
 
             # Validate speculative decoding accept length if threshold is set
             error_msg = None
@@ -141,7 +154,7 @@ def run_performance_test(
 
 def run_performance_for_models(
     models: List[ModelLaunchSettings],
-    profile_dir: str,
+    result_dir: str,
     test_name: str,
     base_url: Optional[str] = None,
     batch_sizes: List[int] = None,
@@ -154,7 +167,7 @@ def run_performance_for_models(
 
     Args:
         models: List of ModelLaunchSettings to test
-        profile_dir: Directory for performance profiles
+        result_dir: Directory for performance results
         test_name: Name for the test (used in reports)
         base_url: Server base URL (default: DEFAULT_URL_FOR_TEST)
         batch_sizes: Batch sizes for perf test
@@ -174,11 +187,11 @@ def run_performance_for_models(
 
     # Setup performance runner
     perf_runner = NightlyBenchmarkRunner(
-        profile_dir=profile_dir,
+        result_dir=result_dir,
         test_name=test_name,
         base_url=base_url,
     )
-    perf_runner.setup_profile_directory()
+    perf_runner.setup_result_directory()
 
     all_results = []
     all_passed = True

@@ -76,18 +76,16 @@ def run_combined_tests(
     # Set up performance parameters
     if run_perf:
         perf = performance_params
-        profile_dir = perf.profile_dir or (
-            "performance_profiles_vlms"
-            if is_vlm
-            else "performance_profiles_text_models"
+        result_dir = perf.result_dir or (
+            "performance_results_vlms" if is_vlm else "performance_results_text_models"
         )
 
         perf_runner = NightlyBenchmarkRunner(
-            profile_dir=profile_dir,
+            result_dir=result_dir,
             test_name=test_name,
             base_url=base_url,
         )
-        perf_runner.setup_profile_directory()
+        perf_runner.setup_result_directory()
     else:
         perf_runner = None
 
@@ -104,6 +102,7 @@ def run_combined_tests(
 
         model_result = {
             "model": model.model_path,
+            "variant": model.variant,
             "perf_result": None,
             "accuracy_result": None,
             "tool_call_result": None,
@@ -243,8 +242,9 @@ def run_combined_tests(
 
                 failed_test_str = ", ".join(failed_tests) if failed_tests else "unknown"
                 error_str = "; ".join(str(e) for e in r["errors"])
+                variant_str = f" [{r['variant']}]" if r.get("variant") else ""
                 failure_lines.append(
-                    f"  Model {i + 1} ({r['model']}): {failed_test_str} - {error_str}"
+                    f"  Model {i + 1} ({r['model']}{variant_str}): {failed_test_str} - {error_str}"
                 )
 
         failure_summary = "\n".join(failure_lines)

@@ -15,6 +15,7 @@
 import json
 import multiprocessing as mp
 import os
+import queue as queue_mod
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
 
@@ -25,7 +26,7 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
-    AutoModelForVision2Seq,
+    AutoModelForImageTextToText,
     AutoProcessor,
     GenerationConfig,
 )
@@ -34,7 +35,12 @@ from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.model_loader.ci_weight_validation import ci_validate_and_clean_hf_cache
 from sglang.srt.utils import get_device, is_npu, load_image
 from sglang.srt.utils.hf_transformers_utils import get_tokenizer
-from sglang.test.test_utils import DEFAULT_PORT_FOR_SRT_TEST_RUNNER, calculate_rouge_l
+from sglang.test.test_utils import (
+    DEFAULT_PORT_FOR_SRT_TEST_RUNNER,
+    calculate_rouge_l,
+    collect_process_tree_pids,
+    wait_for_gpu_release,
+)
 
 if is_npu():
     from sglang.srt.hardware_backend.npu.utils import init_npu_backend
@@ -104,16 +110,35 @@ def _get_sentence_transformer_embedding_model(
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.util import is_sentence_transformer_model
 
+    from sglang.srt.utils.hf_transformers_utils import _fix_v5_add_bos_eos_token
+
     if is_sentence_transformer_model(model_path):
         model = SentenceTransformer(
             model_path,
             model_kwargs={"torch_dtype": torch_dtype},
+            # Force causal attention to match SGLang's RadixAttention behavior.
+            # In transformers v5, models with config.is_causal=false use
+            # bidirectional attention, but SGLang always uses causal attention.
+            config_kwargs={"is_causal": True},
             truncate_dim=matryoshka_dim,
         )
+        # Apply the same tokenizer fix as SGLang's get_tokenizer() so that
+        # BOS/EOS behavior matches between the HF reference and SRT.
+        _fix_v5_add_bos_eos_token(model.tokenizer, model_path)
     else:  # if no pre-trained sentence-transformers model
         from sentence_transformers import models
 
         word_embedding_model = models.Transformer(model_path).to(dtype=torch_dtype)
+        # In transformers v5, composite configs (e.g. Qwen2VLConfig) may not
+        # expose hidden_size at the top level.  Patch it from the text sub-config
+        # so sentence_transformers' get_word_embedding_dimension() works.
+        _cfg = word_embedding_model.auto_model.config
+        if not hasattr(_cfg, "hidden_size"):
+            for _sub_attr in ("text_config", "language_config", "llm_config"):
+                _sub = getattr(_cfg, _sub_attr, None)
+                if _sub and hasattr(_sub, "hidden_size"):
+                    _cfg.hidden_size = _sub.hidden_size
+                    break
         pooling_model = models.Pooling(
             word_embedding_model.get_word_embedding_dimension(),
             pooling_mode="lasttoken",
@@ -215,12 +240,12 @@ class HFRunner:
         **kwargs,
     ) -> torch.Tensor:
         if inputs_embeds is None:
-            inputs_embeds = self.model.model.embed_tokens(input_ids)
+            inputs_embeds = self.model.model.get_input_embeddings()(input_ids)
             if pixel_values is not None:
-                pixel_values = pixel_values.type(self.model.visual.get_dtype())
-                image_embeds = self.model.visual(
+                pixel_values = pixel_values.type(self.model.model.visual.get_dtype())
+                image_embeds = self.model.model.visual(
                     pixel_values, grid_thw=image_grid_thw
-                ).to(inputs_embeds.device)
+                ).pooler_output.to(inputs_embeds.device)
                 image_mask = input_ids == self.model.config.image_token_id
                 inputs_embeds[image_mask] = image_embeds
             if attention_mask is not None:
@@ -235,6 +260,7 @@ class HFRunner:
             return_dict=True,
             inputs_embeds=inputs_embeds,
             image_grid_thw=image_grid_thw,
+            **kwargs,
         )
 
         embeddings = outputs.hidden_states[-1][:, -1]
@@ -274,7 +300,7 @@ class HFRunner:
             ).to(get_device())
         elif self.model_type == "embedding":
             if "gme-qwen2-vl" in model_path.lower():
-                self.model = AutoModelForVision2Seq.from_pretrained(
+                self.model = AutoModelForImageTextToText.from_pretrained(
                     model_path,
                     torch_dtype=torch_dtype,
                     trust_remote_code=False,
@@ -338,20 +364,18 @@ class HFRunner:
                                 images=image[0], return_tensors="pt"
                             )
                             logits = self.model.get_image_features(
-                                pixel_values=inputs.data["pixel_values"].to(
-                                    get_device()
-                                ),
-                            ).tolist()
+                                pixel_values=inputs.data["pixel_values"].cuda(),
+                                return_dict=True,
+                            ).pooler_output.tolist()
                         else:
                             inputs = self.tokenizer(
                                 prompts, padding=True, return_tensors="pt"
                             )
                             logits = self.model.get_text_features(
-                                input_ids=inputs.data["input_ids"].to(get_device()),
-                                attention_mask=inputs.data["attention_mask"].to(
-                                    get_device()
-                                ),
-                            ).tolist()
+                                input_ids=inputs.data["input_ids"].cuda(),
+                                attention_mask=inputs.data["attention_mask"].cuda(),
+                                return_dict=True,
+                            ).pooler_output.tolist()
                     else:
                         logits = self.model.encode(prompts).tolist()
                     out_queue.put(ModelOutput(embed_logits=logits))
@@ -394,18 +418,38 @@ class HFRunner:
         self.in_queue.put(
             (prompts, image_data, max_new_tokens, lora_paths, token_ids_logprob)
         )
-        return self.out_queue.get()
+        while True:
+            try:
+                return self.out_queue.get(timeout=5)
+            except queue_mod.Empty:
+                if not self.model_proc.is_alive() and self.out_queue.empty():
+                    exitcode = self.model_proc.exitcode
+                    raise RuntimeError(
+                        f"HFRunner subprocess died with exit code {exitcode} "
+                        f"before producing output"
+                    )
+
+    def _stop_model_proc(self):
+        # Fire-and-forget terminate() leaves the child holding the accelerator
+        # during teardown; a follow-on SRTRunner on the same device can then
+        # deadlock in driver init (observed on Intel XPU B580).
+        pid = self.model_proc.pid
+        self.model_proc.terminate()
+        self.model_proc.join(timeout=30)
+        if self.model_proc.is_alive():
+            self.model_proc.kill()
+            self.model_proc.join()
+        self.in_queue = self.out_queue = None
+        wait_for_gpu_release([pid])
 
     def terminate(self):
-        self.model_proc.terminate()
-        self.in_queue = self.out_queue = None
+        self._stop_model_proc()
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc_value, traceback):
-        self.model_proc.terminate()
-        self.in_queue = self.out_queue = None
+        self._stop_model_proc()
 
     @staticmethod
     def forward_generation_raw(
@@ -522,6 +566,7 @@ class SRTRunner:
         torch_dtype: torch.dtype,
         model_type: str,
         tp_size: int = 1,
+        ep_size: int = 1,
         model_impl: str = "auto",
         port: int = DEFAULT_PORT_FOR_SRT_TEST_RUNNER,
         lora_paths: Optional[Union[List[str], List[dict[str, str]]]] = None,
@@ -536,7 +581,7 @@ class SRTRunner:
         context_length: Optional[int] = None,
         max_total_tokens: Optional[int] = None,
         page_size: Optional[int] = None,
-        dp_size: int = 1,
+        attn_dp_size: int = 1,
         tokenizer_path: Optional[str] = None,
         mem_fraction_static: float = 0.65,
         trust_remote_code: bool = False,
@@ -546,12 +591,9 @@ class SRTRunner:
         speculative_num_steps: Optional[int] = None,
         speculative_eagle_topk: Optional[int] = None,
         speculative_num_draft_tokens: Optional[int] = None,
-        speculative_ngram_min_match_window_size: Optional[int] = None,
-        speculative_ngram_max_match_window_size: Optional[int] = None,
         disable_overlap_schedule: bool = False,
         disable_custom_all_reduce: bool = False,
-        torchao_config: Optional[str] = None,
-        cuda_graph_max_bs: int = 4,
+        cuda_graph_max_bs_decode: int = 4,
         sleep_on_idle=False,
         max_lora_rank: Optional[int] = None,
         lora_target_modules: Optional[List[str]] = None,
@@ -561,10 +603,12 @@ class SRTRunner:
         json_model_override_args: Optional[dict[str, Any]] = None,
         lora_eviction_policy: str = "lru",
         enable_deterministic_inference: bool = False,
+        lora_drain_wait_threshold: float = 0.0,
+        load_format: str = "auto",
+        model_loader_extra_config: Optional[dict[str, Any]] = None,
     ):
         self.model_type = model_type
         self.is_generation = model_type == "generation"
-        enable_dp_attention = dp_size > 1
 
         spec_kwargs = {}
         if speculative_draft_model_path:
@@ -578,20 +622,17 @@ class SRTRunner:
             spec_kwargs["speculative_num_draft_tokens"] = speculative_num_draft_tokens
         elif speculative_algorithm == "NGRAM":
             spec_kwargs["speculative_algorithm"] = speculative_algorithm
-            spec_kwargs["speculative_ngram_min_match_window_size"] = (
-                speculative_ngram_min_match_window_size
-            )
-            spec_kwargs["speculative_ngram_max_match_window_size"] = (
-                speculative_ngram_max_match_window_size
-            )
+            spec_kwargs["speculative_num_draft_tokens"] = speculative_num_draft_tokens
 
         self.engine = Engine(
             model_path=model_path,
             tp_size=tp_size,
+            ep_size=ep_size,
             dtype=get_dtype_str(torch_dtype),
             port=port,
             model_impl=model_impl,
-            torchao_config=torchao_config,
+            load_format=load_format,
+            model_loader_extra_config=json.dumps(model_loader_extra_config or {}),
             mem_fraction_static=mem_fraction_static,
             trust_remote_code=trust_remote_code,
             is_embedding=not self.is_generation,
@@ -607,11 +648,10 @@ class SRTRunner:
             context_length=context_length,
             max_total_tokens=max_total_tokens,
             page_size=page_size,
-            enable_dp_attention=enable_dp_attention,
-            dp_size=dp_size,
+            attn_dp_size=attn_dp_size,
             tokenizer_path=tokenizer_path,
             disable_overlap_schedule=disable_overlap_schedule,
-            cuda_graph_max_bs=cuda_graph_max_bs,
+            cuda_graph_max_bs_decode=cuda_graph_max_bs_decode,
             disable_custom_all_reduce=disable_custom_all_reduce,
             sleep_on_idle=sleep_on_idle,
             max_lora_rank=max_lora_rank,
@@ -626,6 +666,7 @@ class SRTRunner:
             ),
             lora_eviction_policy=lora_eviction_policy,
             enable_deterministic_inference=enable_deterministic_inference,
+            lora_drain_wait_threshold=lora_drain_wait_threshold,
             **spec_kwargs,
         )
 
@@ -719,8 +760,13 @@ class SRTRunner:
         return self
 
     def __exit__(self, exc_type, exc_value, traceback):
+        # Wait only on the pids this shutdown actually killed;
+        # a nested HFRunner or SRTRunner is deliberately still alive.
+        before = collect_process_tree_pids(os.getpid(), include_parent=False)
         self.engine.shutdown()
         del self.engine
+        alive = set(collect_process_tree_pids(os.getpid(), include_parent=False))
+        wait_for_gpu_release([pid for pid in before if pid not in alive])
 
     @staticmethod
     def forward_generation_raw(
@@ -903,9 +949,9 @@ def check_close_model_outputs(
     print(f"{srt_outputs.output_strs=}")
     rouge_l_scores = calculate_rouge_l(hf_outputs.output_strs, srt_outputs.output_strs)
     print(f"{rouge_l_scores=}")
-    assert all(
-        score >= rouge_l_tolerance for score in rouge_l_scores
-    ), f"Not all ROUGE-L scores are greater than rouge_l_tolerance={rouge_l_tolerance}"
+    assert all(score >= rouge_l_tolerance for score in rouge_l_scores), (
+        f"Not all ROUGE-L scores are greater than rouge_l_tolerance={rouge_l_tolerance}"
+    )
 
     if check_logprobs:
         for i in range(len(hf_outputs.output_strs)):

@@ -95,6 +95,8 @@ class ChatCompletionSampler(SamplerBase):
         reasoning_effort: Optional[str] = None,
         max_tokens: int = 2048,
         extra_body: Optional[Dict[str, Any]] = None,
+        stop: Optional[List[str]] = None,
+        record_meta_info: bool = False,
     ):
         self.client = OpenAI(base_url=base_url, http_client=LargerHttpxClient())
 
@@ -108,9 +110,13 @@ class ChatCompletionSampler(SamplerBase):
         self.max_tokens = max_tokens
         self.reasoning_effort = reasoning_effort
         self.extra_body = extra_body
+        self.stop = stop
         self.image_format = "url"
+        self._completion_tokens: list[int] = []
+        self.record_meta_info = record_meta_info
+        self._meta_infos: List[Dict[str, Any]] = []
         print(
-            f"ChatCompletionSampler initialized with {self.system_message=} {self.temperature=} {self.max_tokens=} {self.reasoning_effort=} {self.extra_body=}"
+            f"ChatCompletionSampler initialized with {self.system_message=} {self.temperature=} {self.max_tokens=} {self.reasoning_effort=} {self.extra_body=} {self.stop=} {self.record_meta_info=}"
         )
 
     def _handle_image(
@@ -139,6 +145,9 @@ class ChatCompletionSampler(SamplerBase):
             message_list = [
                 self._pack_message("system", self.system_message)
             ] + message_list
+        extra_body = self.extra_body
+        if self.record_meta_info:
+            extra_body = {**(self.extra_body or {}), "return_meta_info": True}
         trial = 0
         while trial < 6:  # 126 seconds in total
             try:
@@ -149,8 +158,15 @@ class ChatCompletionSampler(SamplerBase):
                     top_p=self.top_p,
                     max_tokens=self.max_tokens,
                     reasoning_effort=self.reasoning_effort,
-                    extra_body=self.extra_body,
+                    extra_body=extra_body,
+                    stop=self.stop,
                 )
+                if self.record_meta_info:
+                    meta_info = getattr(response.choices[0], "meta_info", None)
+                    if meta_info:
+                        self._meta_infos.append(meta_info)
+                if response.usage and response.usage.completion_tokens is not None:
+                    self._completion_tokens.append(response.usage.completion_tokens)
                 return response.choices[0].message.content or ""
             # NOTE: BadRequestError is triggered once for MMMU, please uncomment if you are rerunning MMMU
             except openai.BadRequestError as e:
@@ -165,6 +181,169 @@ class ChatCompletionSampler(SamplerBase):
                 time.sleep(exception_backoff)
                 trial += 1
         # If all retries are exhausted, return empty string instead of None
+        print(f"All retry attempts exhausted for request. Returning empty response.")
+        return ""
+
+
+class CompletionSampler(SamplerBase):
+    """
+    Sample from OpenAI's completion API (non-chat).
+    Sends raw text prompts without chat template wrapping.
+    """
+
+    def __init__(
+        self,
+        base_url: str = None,
+        model: Optional[str] = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_tokens: int = 2048,
+        stop: Optional[List[str]] = None,
+    ):
+        self.client = OpenAI(base_url=base_url, http_client=LargerHttpxClient())
+
+        if model is None:
+            model = self.client.models.list().data[0].id
+
+        self.model = model
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self._completion_tokens: list[int] = []
+        print(
+            f"CompletionSampler initialized with {self.model=} {self.temperature=} {self.max_tokens=} {self.stop=}"
+        )
+
+    def _pack_message(self, role: str, content: Any):
+        return {"role": str(role), "content": content}
+
+    def __call__(self, message_list: MessageList) -> str:
+        # Extract raw text from message list (eval objects pack prompt as a single user message)
+        prompt = "\n".join(
+            msg["content"]
+            for msg in message_list
+            if isinstance(msg.get("content"), str)
+        )
+        trial = 0
+        while trial < 6:
+            try:
+                response = self.client.completions.create(
+                    model=self.model,
+                    prompt=prompt,
+                    temperature=self.temperature,
+                    top_p=self.top_p,
+                    max_tokens=self.max_tokens,
+                    stop=self.stop,
+                )
+                if response.usage and response.usage.completion_tokens is not None:
+                    self._completion_tokens.append(response.usage.completion_tokens)
+                return response.choices[0].text or ""
+            except openai.BadRequestError as e:
+                print("Bad Request Error", e)
+                return ""
+            except Exception as e:
+                exception_backoff = 2**trial
+                print(
+                    f"Rate limit exception so wait and retry {trial} after {exception_backoff} sec",
+                    e,
+                )
+                time.sleep(exception_backoff)
+                trial += 1
+        print(f"All retry attempts exhausted for request. Returning empty response.")
+        return ""
+
+
+class GenerateSampler(SamplerBase):
+    """
+    Sample from SGLang's native ``/generate`` endpoint (not the OpenAI-compatible
+    API). Sends raw text prompts with `sampling_params`, so it exercises the same
+    path as `bench_serving` rather than the `/v1/completions` wrapper.
+
+    `base_url` is the OpenAI-style URL the eval harness builds (``.../v1``); the
+    trailing ``/v1`` is stripped to reach the server root's ``/generate``.
+    """
+
+    def __init__(
+        self,
+        base_url: str = None,
+        model: Optional[str] = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        max_tokens: int = 2048,
+        stop: Optional[List[str]] = None,
+    ):
+        self.client = LargerHttpxClient()
+
+        # The harness passes the OpenAI base (`.../v1`); `/generate` lives at root.
+        root = (base_url or "http://127.0.0.1:30000/v1").rstrip("/")
+        if root.endswith("/v1"):
+            root = root[: -len("/v1")]
+        self.generate_url = f"{root}/generate"
+
+        # `/generate` serves the loaded model and ignores a model field, so `model`
+        # is informational only; fill it from `/get_model_info` when unset.
+        if model is None:
+            try:
+                info = self.client.get(f"{root}/get_model_info").json()
+                model = info.get("model_path")
+            except Exception:
+                model = None
+
+        self.model = model
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self._completion_tokens: list[int] = []
+        print(
+            f"GenerateSampler initialized with {self.generate_url=} {self.model=} "
+            f"{self.temperature=} {self.max_tokens=} {self.stop=}"
+        )
+
+    def _pack_message(self, role: str, content: Any):
+        return {"role": str(role), "content": content}
+
+    def __call__(self, message_list: MessageList) -> str:
+        # Extract raw text from message list (eval objects pack prompt as a single user message)
+        prompt = "\n".join(
+            msg["content"]
+            for msg in message_list
+            if isinstance(msg.get("content"), str)
+        )
+        payload = {
+            "text": prompt,
+            "sampling_params": {
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "max_new_tokens": self.max_tokens,
+                "stop": self.stop,
+            },
+            "stream": False,
+        }
+        trial = 0
+        while trial < 6:
+            try:
+                response = self.client.post(self.generate_url, json=payload)
+                # A 400 is a malformed request, not a transient failure — don't retry.
+                if response.status_code == 400:
+                    print("Bad Request Error", response.text)
+                    return ""
+                response.raise_for_status()
+                data = response.json()
+                meta_info = data.get("meta_info") or {}
+                completion_tokens = meta_info.get("completion_tokens")
+                if completion_tokens is not None:
+                    self._completion_tokens.append(completion_tokens)
+                return data.get("text") or ""
+            except Exception as e:
+                exception_backoff = 2**trial
+                print(
+                    f"Rate limit exception so wait and retry {trial} after {exception_backoff} sec",
+                    e,
+                )
+                time.sleep(exception_backoff)
+                trial += 1
         print(f"All retry attempts exhausted for request. Returning empty response.")
         return ""
 
@@ -450,19 +629,22 @@ def make_report_from_example_htmls(htmls: List[str]):
 def download_dataset(path, url):
     print(f"Downloading dataset {path} from {url}")
     try:
-        response = requests.get(url, stream=True)
+        response = requests.get(url, stream=True, timeout=30)
         response.raise_for_status()
 
         total_size = int(response.headers.get("content-length", 0))
         block_size = 8192
 
-        with open(path, "wb") as f, tqdm(
-            desc="Downloading",
-            total=total_size,
-            unit="iB",
-            unit_scale=True,
-            unit_divisor=1024,
-        ) as progress_bar:
+        with (
+            open(path, "wb") as f,
+            tqdm(
+                desc="Downloading",
+                total=total_size,
+                unit="iB",
+                unit_scale=True,
+                unit_divisor=1024,
+            ) as progress_bar,
+        ):
             for data in response.iter_content(block_size):
                 size = f.write(data)
                 progress_bar.update(size)

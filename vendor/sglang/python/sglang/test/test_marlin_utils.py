@@ -4,6 +4,7 @@ https://github.com/vllm-project/vllm/blob/020f58abcdea65302225663130d08fd8f4dd75
 """
 
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Utility functions used for tests and benchmarks"""
 
 from typing import Optional
@@ -20,18 +21,39 @@ from sglang.srt.layers.quantization.marlin_utils import (
 from sglang.srt.layers.quantization.utils import (
     get_pack_factor,
     gptq_quantize_weights,
+    pack_cols,
     quantize_weights,
     sort_weights,
 )
 
 
-class MarlinWorkspace:
+def awq_pack(
+    q_w: torch.Tensor,
+    num_bits: int,
+    size_k: int,
+    size_n: int,
+):
+    assert q_w.shape == (size_k, size_n)
 
+    if num_bits == 4:
+        interleave = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+    elif num_bits == 8:
+        interleave = np.array([0, 2, 1, 3])
+    else:
+        raise Exception("num_bits must be 4 or 8, got {}".format(num_bits))
+
+    q_w = q_w.reshape((-1, len(interleave)))[:, interleave].ravel()
+    q_w = q_w.reshape((-1, size_n)).contiguous()
+
+    return pack_cols(q_w, num_bits, size_k, size_n)
+
+
+class MarlinWorkspace:
     def __init__(self, out_features, min_thread_n, max_parallel):
-        assert (
-            out_features % min_thread_n == 0
-        ), "out_features = {} is undivisible by min_thread_n = {}".format(
-            out_features, min_thread_n
+        assert out_features % min_thread_n == 0, (
+            "out_features = {} is undivisible by min_thread_n = {}".format(
+                out_features, min_thread_n
+            )
         )
 
         max_workspace_size = (out_features // min_thread_n) * max_parallel
@@ -169,3 +191,47 @@ def awq_marlin_quantize(w: torch.Tensor, quant_type: ScalarType, group_size: int
         res_list[i] = res_list[i].to(w.device)
 
     return res_list
+
+
+def make_nvfp4_weight_and_ref(
+    size_n: int,
+    size_k: int,
+    dtype: torch.dtype,
+    group_size: int = 16,
+    device: str = "cuda",
+):
+    """Build a random NVFP4-quantized weight and its FP dequantized reference.
+
+    Returns:
+        fp4_weight: (size_n, size_k // 2) uint8, two packed FP4 (E2M1) values per byte
+        scales: (size_n, size_k // group_size) FP8 E4M3 per-group scales
+        global_scale: scalar in `dtype`, the FP16/BF16 outer scale
+        weight_ref: (size_n, size_k) tensor in `dtype` = dequantized weight
+    """
+    fp4_weight = torch.randint(
+        0, 256, (size_n, size_k // 2), dtype=torch.uint8, device=device
+    )
+    scale_source = torch.randn((size_n, size_k), dtype=dtype, device=device)
+    # /6 = FP4 (E2M1) max; /448 = FP8 (E4M3) max — sets each level to its dtype's full range.
+    scales = scale_source.view(size_n, -1, group_size).abs().max(-1)[0] / 6
+    global_scale = scales.max() / 448
+    scales = (scales / global_scale).to(torch.float8_e4m3fn)
+
+    def _unpack(byte_view: torch.Tensor) -> torch.Tensor:
+        # Convert 4-bit E2M1 nibble (in upper bits of a uint8) to FP8 E4M3 bit pattern.
+        unpacked = (byte_view & 0b10000000) | ((byte_view & 0b01110000) >> 2)
+        return unpacked.view(torch.float8_e4m3fn).to(dtype) * (2**6)
+
+    part_low = _unpack(fp4_weight)
+    part_high = _unpack(fp4_weight << 4)
+
+    weight_ref = torch.cat([part_high.unsqueeze(2), part_low.unsqueeze(2)], 2).view(
+        size_n, size_k
+    )
+    weight_ref = (
+        weight_ref
+        * global_scale.to(dtype)
+        * scales.repeat_interleave(group_size, 1).to(dtype)
+    )
+
+    return fp4_weight, scales, global_scale, weight_ref

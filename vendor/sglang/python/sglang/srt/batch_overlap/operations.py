@@ -1,21 +1,29 @@
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, List, Sequence, Union
-
-import torch
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Generator,
+    List,
+    Optional,
+    Sequence,
+    Union,
+)
 
 from sglang.srt.layers.dp_attention import set_dp_buffer_len
+from sglang.srt.model_executor.forward_context import (
+    forward_context,
+    get_forward_context,
+)
+from sglang.srt.utils.nvtx_utils import operations_nvtx_range
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-_ENABLE_PROFILE = bool(int(os.environ.get("SGLANG_OPERATIONS_ENABLE_PROFILE", "0")))
-
-if _ENABLE_PROFILE:
-    import nvtx
+    from sglang.srt.model_executor.forward_context import ForwardContext
 
 
 def execute_operations(inputs, operations):
@@ -39,10 +47,15 @@ def execute_overlapped_operations(
     assert delta_stage_a == 0
     delta_stage = delta_stage_b
 
+    # Each TBO child sub-batch dispatches against its own per-child backend
+    # (children[i] has metadata init'd for sub-batch i; the parent's primary
+    # has metadata for the full pre-split batch).
+    child_ctx_a, child_ctx_b = _resolve_tbo_child_contexts()
+
     stages_a = _convert_operations_to_stages(operations_a)
     stages_b = _convert_operations_to_stages(operations_b)
-    executor_a = _StageExecutor("a", stages_a, inputs=inputs_a)
-    executor_b = _StageExecutor("b", stages_b, inputs=inputs_b)
+    executor_a = _StageExecutor("a", stages_a, inputs=inputs_a, child_ctx=child_ctx_a)
+    executor_b = _StageExecutor("b", stages_b, inputs=inputs_b, child_ctx=child_ctx_b)
 
     for _ in range(delta_stage):
         executor_a.next()
@@ -56,6 +69,25 @@ def execute_overlapped_operations(
 
     assert executor_a.done and executor_b.done
     return [executor_a.output, executor_b.output]
+
+
+def _resolve_tbo_child_contexts():
+    """Return (child_ctx_a, child_ctx_b) derived from the active TboAttnBackend,
+    or (None, None) if the active backend is not a TBO dispatcher (e.g. a
+    backend that handles TBO splitting internally like DeepSeek MHA's
+    resolve_attn_backend path)."""
+    # Lazy import to avoid circular dependency at module load time.
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+
+    ctx = get_forward_context()
+    backend = ctx.attn_backend
+    if not isinstance(backend, TboAttnBackend):
+        return None, None
+    child_a, child_b = backend.children
+    return (
+        replace(ctx, attn_backend=child_a),
+        replace(ctx, attn_backend=child_b),
+    )
 
 
 class YieldOperation:
@@ -73,15 +105,30 @@ Stage = List[ExecutionOperation]
 
 
 class _StageExecutor:
-    def __init__(self, debug_name: str, stages: List[Stage], inputs: dict):
+    def __init__(
+        self,
+        debug_name: str,
+        stages: List[Stage],
+        inputs: dict,
+        child_ctx: Optional[ForwardContext] = None,
+    ):
         self._debug_name = debug_name
         self._stages = stages
         self._index = 0
         self._stage_state = _StateDict()
         self._stage_output = inputs
+        # When set, every next() runs inside this ForwardContext so that
+        # get_attn_backend() inside RadixAttention.forward resolves to the
+        # per-child backend (with sub-batch metadata) instead of the TBO
+        # parent's primary.
+        self._child_ctx = child_ctx
 
         # handling DP attention
         forward_batch: ForwardBatch = inputs["forward_batch"]
+        self._child_ctx = replace(
+            child_ctx if child_ctx is not None else get_forward_context(),
+            moe_num_token_non_padded=forward_batch.moe_num_token_non_padded,
+        )
         self._global_dp_buffer_len = forward_batch.global_dp_buffer_len
         self._local_dp_buffer_len = forward_batch.tbo_padded_len
         self._global_num_tokens = forward_batch.global_num_tokens_cpu
@@ -102,9 +149,21 @@ class _StageExecutor:
             self._global_num_tokens,
         )
 
-        with _annotate_region(debug_name=f"{self._debug_name}{self._index}"):
+        ctx_mgr = (
+            forward_context(self._child_ctx)
+            if self._child_ctx is not None
+            else nullcontext()
+        )
+        stage_range = operations_nvtx_range(
+            debug_name=f"{self._debug_name}{self._index}",
+            color="orange",
+        )
+        with ctx_mgr, stage_range:
             for op in stage:
-                with _annotate_region(debug_name=op.debug_name):
+                with operations_nvtx_range(
+                    debug_name=op.debug_name,
+                    color="yellow",
+                ):
                     self._stage_output = op.fn(
                         state=self._stage_state,
                         **(
@@ -128,16 +187,6 @@ class _StageExecutor:
         return len(self._stages)
 
 
-@contextmanager
-def _annotate_region(debug_name):
-    if _ENABLE_PROFILE:
-        with torch.autograd.profiler.record_function(debug_name):
-            with nvtx.annotate(debug_name):
-                yield
-    else:
-        yield
-
-
 class _StateDict:
     def __init__(self):
         self._data = {}
@@ -146,9 +195,9 @@ class _StateDict:
         if key == "_data":
             super().__setattr__(key, value)
             return
-        assert (
-            key not in self._data
-        ), f"`{key}` already exist, are you sure you want to override it?"
+        assert key not in self._data, (
+            f"`{key}` already exist, are you sure you want to override it?"
+        )
         self._data[key] = value
 
     def __getattr__(self, item):
@@ -170,7 +219,7 @@ class _StateDict:
     def clear(self, expect_keys: Sequence[str]):
         if set(self._data.keys()) != set(expect_keys):
             raise Exception(
-                f"Unexpected keys when clearning. This may indicate you do not release memory early enough but leave it to here. {list(self._data.keys())=} {expect_keys=}"
+                f"Unexpected keys when clearing. This may indicate you do not release memory early enough but leave it until here. {list(self._data.keys())=} {expect_keys=}"
             )
 
         self._data.clear()

@@ -7,6 +7,9 @@ from sglang.srt.batch_overlap import operations
 from sglang.srt.batch_overlap.operations import Operation
 from sglang.srt.layers.moe.token_dispatcher import DeepEPConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.utils import is_hip
+
+_is_hip = is_hip()
 
 
 @dataclass
@@ -60,8 +63,19 @@ class OperationsStrategy:
                     for layer in layers
                 ]
             )
-        else:
-            raise NotImplementedError
+        # Other model families do not need to import the V4 implementation.
+        from sglang.srt.models.deepseek_v4 import DeepseekV4DecoderLayerBase
+
+        if isinstance(layers[0], DeepseekV4DecoderLayerBase):
+            return OperationsStrategy.concat(
+                [
+                    _compute_moe_deepseek_v4_layer_operations_strategy_tbo(
+                        layer, forward_mode
+                    )
+                    for layer in layers
+                ]
+            )
+        raise NotImplementedError
 
 
 def _assert_all_same(items: List):
@@ -91,7 +105,9 @@ def _compute_moe_deepseek_layer_operations_strategy_tbo(
 def _compute_moe_deepseek_blog_prefill(layer):
     device_properties = torch.cuda.get_device_properties(device="cuda")
     total_num_sms = device_properties.multi_processor_count
-    deep_gemm_num_sms = total_num_sms - DeepEPConfig.get_instance().num_sms
+    deep_gemm_num_sms = None
+    if not _is_hip:
+        deep_gemm_num_sms = total_num_sms - DeepEPConfig.get_instance().num_sms
 
     return OperationsStrategy(
         deep_gemm_num_sms=deep_gemm_num_sms,
@@ -145,6 +161,73 @@ def _compute_moe_deepseek_blog_decode(layer):
     )
 
 
+# -------------------------------- Strategy for DeepSeek V4 ---------------------------------------
+
+
+# DSV4 prefill TBO (EP / mori path). Cross-layer mHC fusion is disabled under
+# TBO, so each layer is self-contained: attn-side mHC pre+norm -> attn ->
+# ffn-side mHC pre+norm -> MoE (a2a dispatch/combine overlapped) -> mHC post.
+# The MoE ops are reused from self.mlp (DeepseekV2MoE) and decompose
+# forward_deepep; the layer-level op_mhc_* wrap DSV4's hc_pre / hc_post.
+def _compute_moe_deepseek_v4_layer_operations_strategy_tbo(
+    layer: torch.nn.Module,
+    forward_mode: ForwardMode,
+) -> OperationsStrategy:
+    if forward_mode == ForwardMode.EXTEND:
+        return _compute_moe_deepseek_v4_prefill(layer)
+    else:
+        # Decode TBO for DSV4 is not implemented yet (ATOM data: decode TBO
+        # regresses; needs cuda-graph capture work). Prefill-only for now.
+        raise NotImplementedError(
+            f"DeepseekV4 TBO only supports prefill (EXTEND), got {forward_mode=}"
+        )
+
+
+def _compute_moe_deepseek_v4_prefill(layer):
+    from sglang.srt.layers.moe import get_moe_a2a_backend
+
+    if get_moe_a2a_backend().is_none():
+        # Non-EP DP TP-MoE: overlap the DP all_gatherv (gather) + reduce_scatterv
+        # (combine) with the other ubatch's attn+MoE compute (ATOM's DSV4 path).
+        ops = [
+            layer.op_mhc_prepare_attn,
+            layer.self_attn.op_attn,
+            layer.op_mhc_post_attn_pre_mlp,
+            layer.op_gather_a,
+            operations.YieldOperation(),
+            layer.op_gather_b,
+            layer.op_moe,
+            layer.op_combine_a,
+            operations.YieldOperation(),
+            layer.op_combine_b,
+            layer.op_mhc_postprocess,
+        ]
+    else:
+        # EP / mori a2a: reuse DeepseekV2MoE's deepep dispatch/combine ops.
+        ops = [
+            layer.op_mhc_prepare_attn,
+            layer.self_attn.op_attn,
+            layer.op_mhc_post_attn_pre_mlp,
+            layer.mlp.op_gate,
+            layer.mlp.op_select_experts,
+            layer.mlp.op_dispatch_a,
+            operations.YieldOperation(),
+            layer.mlp.op_dispatch_b,
+            layer.mlp.op_experts,
+            layer.mlp.op_combine_a,
+            operations.YieldOperation(),
+            layer.mlp.op_shared_experts,
+            layer.mlp.op_combine_b,
+            layer.mlp.op_output,
+            layer.op_mhc_postprocess,
+        ]
+    return OperationsStrategy(
+        deep_gemm_num_sms=None,
+        tbo_delta_stages=0,
+        operations=ops,
+    )
+
+
 # -------------------------------- Strategy for Qwen3 ---------------------------------------
 
 
@@ -168,7 +251,9 @@ def _compute_moe_qwen3_layer_operations_strategy_tbo(
 def _compute_moe_qwen3_prefill(layer):
     device_properties = torch.cuda.get_device_properties(device="cuda")
     total_num_sms = device_properties.multi_processor_count
-    deep_gemm_num_sms = total_num_sms - DeepEPConfig.get_instance().num_sms
+    deep_gemm_num_sms = None
+    if not _is_hip:
+        deep_gemm_num_sms = total_num_sms - DeepEPConfig.get_instance().num_sms
 
     return OperationsStrategy(
         deep_gemm_num_sms=deep_gemm_num_sms,

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/v0.10.0/vllm/compilation/cuda_piecewise_backend.py
 
 import dataclasses
@@ -11,11 +13,18 @@ import torch.fx as fx
 
 from sglang.srt.compilation.compilation_config import CompilationConfig
 from sglang.srt.compilation.compilation_counter import compilation_counter
-from sglang.srt.compilation.piecewise_context_manager import (
+from sglang.srt.compilation.compile_phase import (
     get_pcg_capture_stream,
-    is_in_pcg_torch_compile,
+    is_in_torch_compile_warmup,
 )
-from sglang.srt.compilation.weak_ref_tensor import weak_ref_tensors
+from sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor import (
+    weak_ref_tensors,
+)
+from sglang.srt.model_executor.runner_utils.pool import (
+    graph_pool_capture_scope,
+    graph_pool_replay_scope,
+)
+from sglang.srt.utils.common import print_warning_once
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +47,6 @@ class ConcreteSizeEntry:
 
 
 class CUDAPiecewiseBackend:
-
     def __init__(
         self,
         graph: fx.GraphModule,
@@ -140,7 +148,7 @@ class CUDAPiecewiseBackend:
             if self.is_last_graph and not self.to_be_compiled_sizes:
                 self.check_for_ending_compilation()
 
-        if is_in_pcg_torch_compile():
+        if is_in_torch_compile_warmup():
             return entry.runnable(*args)
 
         if entry.cudagraph is None:
@@ -148,6 +156,23 @@ class CUDAPiecewiseBackend:
                 entry.num_finished_warmup += 1
                 return entry.runnable(*args)
 
+            # During normal capture (PiecewiseCudaGraphRunner.capture()),
+            # set_pcg_capture_stream() guarantees a valid stream. However,
+            # Dynamo may silently recompile serving batches when a dynamic
+            # multimodal input introduces a previously unseen guard. The
+            # replacement backend has no capture stream, so it cannot safely
+            # create a CUDA graph. Execute that subgraph normally instead of
+            # crashing the scheduler; subsequent matching shapes still use
+            # their captured graphs.
+            stream = get_pcg_capture_stream()
+            if stream is None:
+                print_warning_once(
+                    "PCG capture stream is not set. This can be a Dynamo runtime "
+                    "recompilation or an optional VLM branch pre-warmed outside "
+                    "CUDA graph capture; falling back to eager execution for this "
+                    "subgraph."
+                )
+                return entry.runnable(*args)
             if self.compile_config.get_enable_debug_mode():
                 input_addresses = [
                     x.data_ptr() for x in args if isinstance(x, torch.Tensor)
@@ -166,11 +191,10 @@ class CUDAPiecewiseBackend:
                     stack.enter_context(patch("gc.collect", lambda: None))
                     stack.enter_context(patch("torch.cuda.empty_cache", lambda: None))
                 # mind-exploding: carefully manage the reference and memory.
-                stream = get_pcg_capture_stream()
-                assert (
-                    stream is not None
-                ), "PCG capture stream is not set, please check if runtime recompilation happened"
-                with torch.cuda.graph(cudagraph, pool=self.graph_pool, stream=stream):
+                with (
+                    graph_pool_capture_scope(),
+                    torch.cuda.graph(cudagraph, pool=self.graph_pool, stream=stream),
+                ):
                     # `output` is managed by pytorch's cudagraph pool
                     output = entry.runnable(*args)
                     if self.is_last_graph:
@@ -202,5 +226,6 @@ class CUDAPiecewiseBackend:
                 "Input addresses for cudagraphs are different during replay."
                 f" Expected {entry.input_addresses}, got {new_input_addresses}"
             )
-        entry.cudagraph.replay()
+        with graph_pool_replay_scope():
+            entry.cudagraph.replay()
         return entry.output

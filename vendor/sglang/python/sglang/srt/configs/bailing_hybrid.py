@@ -15,13 +15,29 @@
 """BailingHybrid model configuration"""
 
 import enum
+from typing import Union
 
 from transformers.configuration_utils import PretrainedConfig
 from transformers.utils import logging
 
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+from sglang.srt.configs.mamba_utils import (
+    KimiLinearCacheParams,
+    KimiLinearStateShape,
+    Mamba2CacheParams,
+    Mamba2StateShape,
+)
+from sglang.srt.configs.qwen3_vl import Qwen3VLMoeVisionConfig
+from sglang.srt.runtime_context import get_parallel
 
 logger = logging.get_logger(__name__)
+
+
+def is_bailing_multi_gate_enabled(config: PretrainedConfig) -> bool:
+    """Select MultiRouter only when the checkpoint config declares it."""
+    return (
+        bool(getattr(config, "multi_gate", False))
+        or getattr(config, "router_type", "topN") == "MultiRouter"
+    )
 
 
 class HybridLayerType(enum.Enum):
@@ -30,7 +46,6 @@ class HybridLayerType(enum.Enum):
 
 
 class BailingHybridConfig(PretrainedConfig):
-
     model_type = "bailing_hybrid"
     keys_to_ignore_at_inference = ["past_key_values"]
 
@@ -70,7 +85,7 @@ class BailingHybridConfig(PretrainedConfig):
         use_qk_norm=True,
         num_nextn_predict_layers=0,
         mtp_loss_scaling_factor=0,
-        moe_router_enable_expert_bias=True,
+        moe_router_enable_expert_bias=False,
         routed_scaling_factor=1.0,
         layer_group_size=1,
         group_norm_size=1,
@@ -81,6 +96,14 @@ class BailingHybridConfig(PretrainedConfig):
         v_head_dim=128,
         qk_nope_head_dim=128,
         rope_interleave=True,
+        # KDA (Ling-V3) linear-attention variant. Absent from a V2.5 /
+        # lightning checkpoint, which keeps the Mamba2 branch below.
+        short_conv_kernel_size=None,
+        no_kda_lora=False,
+        kda_safe_gate=False,
+        kda_lower_bound=None,
+        # NoPE MLA: the rope half of the query/key is dropped entirely.
+        use_mla_nope=False,
         **kwargs,
     ):
         self.num_hidden_layers = num_hidden_layers
@@ -109,7 +132,6 @@ class BailingHybridConfig(PretrainedConfig):
         self.moe_router_enable_expert_bias = moe_router_enable_expert_bias
         self.routed_scaling_factor = routed_scaling_factor
 
-        # MoE configs
         self.num_experts = num_experts
         self.num_shared_experts = num_shared_experts
         self.num_experts_per_tok = num_experts_per_tok
@@ -119,12 +141,10 @@ class BailingHybridConfig(PretrainedConfig):
         self.first_k_dense_replace = first_k_dense_replace
         self.output_router_logits = output_router_logits
 
-        # Linear configs
         self.layer_group_size = layer_group_size
         self.group_norm_size = group_norm_size
         self.linear_silu = linear_silu
         self.num_linear_key_value_heads = num_attention_heads
-        # mla
         self.kv_lora_rank = kv_lora_rank
         self.q_lora_rank = q_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -132,6 +152,14 @@ class BailingHybridConfig(PretrainedConfig):
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
         self.rope_interleave = rope_interleave
+        self.short_conv_kernel_size = short_conv_kernel_size
+        # KDA is what distinguishes Ling-V3 from the V2.5 / lightning
+        # checkpoints; only the former carries a short conv.
+        self.use_kda = short_conv_kernel_size is not None
+        self.no_kda_lora = no_kda_lora
+        self.kda_safe_gate = kda_safe_gate
+        self.kda_lower_bound = kda_lower_bound if kda_safe_gate else None
+        self.use_mla_nope = use_mla_nope
         self.for_nextn_model = False
         super().__init__(
             pad_token_id=pad_token_id,
@@ -147,11 +175,22 @@ class BailingHybridConfig(PretrainedConfig):
 
         layer_type_list = []
 
-        for l in range(self.num_hidden_layers):
-            if (l + 1) % self.layer_group_size == 0:
-                layer_type_list.append(HybridLayerType.full_attention.value)
-            else:
-                layer_type_list.append(HybridLayerType.linear_attention.value)
+        if isinstance(self.layer_group_size, int):
+            for l in range(self.num_hidden_layers):
+                if (l + 1) % self.layer_group_size == 0:
+                    layer_type_list.append(HybridLayerType.full_attention.value)
+                else:
+                    layer_type_list.append(HybridLayerType.linear_attention.value)
+        else:
+            # Per-layer schedule: 1 marks a linear-attention layer.
+            assert len(self.layer_group_size) == self.num_hidden_layers, (
+                "When layer_group_size is a list, its length must be equal to num_hidden_layers"
+            )
+            for l in range(self.num_hidden_layers):
+                if self.layer_group_size[l] == 1:
+                    layer_type_list.append(HybridLayerType.linear_attention.value)
+                else:
+                    layer_type_list.append(HybridLayerType.full_attention.value)
 
         return layer_type_list
 
@@ -172,11 +211,20 @@ class BailingHybridConfig(PretrainedConfig):
         ]
 
     @property
-    def mamba2_cache_params(self) -> Mamba2CacheParams:
-        from sglang.srt.layers.dp_attention import get_attention_tp_size
+    def mamba2_cache_params(self) -> Union[KimiLinearCacheParams, Mamba2CacheParams]:
+
+        if self.use_kda:
+            shape = KimiLinearStateShape.create(
+                tp_world_size=get_parallel().attn_tp_size,
+                num_heads=self.num_attention_heads,
+                head_dim=self.head_dim,
+                conv_kernel_size=self.short_conv_kernel_size,
+            )
+
+            return KimiLinearCacheParams(shape=shape, layers=self.linear_layer_ids)
 
         shape = Mamba2StateShape.create(
-            tp_world_size=get_attention_tp_size(),
+            tp_world_size=get_parallel().attn_tp_size,
             intermediate_size=0,
             n_groups=0,
             num_heads=self.num_linear_key_value_heads,
@@ -186,3 +234,72 @@ class BailingHybridConfig(PretrainedConfig):
         )
 
         return Mamba2CacheParams(shape=shape, layers=self.linear_layer_ids)
+
+
+class BailingMoeV3VLConfig(PretrainedConfig):
+    model_type = "bailing_moe_v3_vl"
+
+    def __init__(
+        self,
+        text_config=None,
+        vision_config=None,
+        image_token_id=157157,
+        video_token_id=156909,
+        vision_start_token_id=157158,
+        vision_end_token_id=157159,
+        tie_word_embeddings=False,
+        mrope_section=None,
+        **kwargs,
+    ):
+        if isinstance(vision_config, dict):
+            vision_config = dict(vision_config)
+            # The public Bailing checkpoint omits deepstack entirely. Do not
+            # inherit Qwen3-VL's architecture-specific deepstack defaults.
+            vision_config.setdefault("deepstack_visual_indexes", [])
+            vision_config = Qwen3VLMoeVisionConfig(**vision_config)
+        elif vision_config is None:
+            vision_config = Qwen3VLMoeVisionConfig(deepstack_visual_indexes=[])
+
+        if isinstance(text_config, dict):
+            text_config = BailingHybridConfig(**text_config)
+        elif text_config is None:
+            text_config = BailingHybridConfig()
+
+        self.vision_config = vision_config
+        self.text_config = text_config
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.vision_start_token_id = vision_start_token_id
+        self.vision_end_token_id = vision_end_token_id
+
+        if mrope_section is None:
+            mrope_section = text_config.rope_parameters.get(
+                "mrope_section", [8, 12, 12]
+            )
+        self.mrope_section = mrope_section
+        text_config.rope_parameters.update(
+            rope_type="default",
+            mrope_section=mrope_section,
+            video_rope=True,
+        )
+
+        if self.text_config.architectures is None:
+            self.text_config.architectures = ["BailingMoeV3ForCausalLM"]
+
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def rope_scaling(self):
+        """The language model's effective RoPE parameters (v5 backcompat alias)."""
+        return self.text_config.rope_parameters
+
+    @rope_scaling.setter
+    def rope_scaling(self, value):
+        # A top-level rope_scaling override (e.g. --json-model-override-args
+        # '{"rope_scaling": ...}') targets the language model's rope. Merge it
+        # into the text config's rope_parameters so the mrope_section and
+        # video_rope markers injected above survive the override.
+        if isinstance(value, dict) and hasattr(self, "text_config"):
+            self.text_config.rope_parameters.update(value)
+        else:
+            PretrainedConfig.rope_scaling.fset(self, value)

@@ -1,11 +1,16 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from: https://github.com/vllm-project/vllm/blob/0384aa7150c4c9778efca041ffd1beb3ad2bd694/vllm/transformers_utils/configs/kimi_linear.py
 from transformers.configuration_utils import PretrainedConfig
 
 from sglang.srt.configs.mamba_utils import KimiLinearCacheParams, KimiLinearStateShape
+from sglang.srt.runtime_context import get_parallel
 
 
 class KimiLinearConfig(PretrainedConfig):
     model_type = "kimi_linear"
+    # Shared MoE utilities use the abbreviated name; checkpoints keep the original.
+    attribute_map = {"num_experts_per_tok": "num_experts_per_token"}
     keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(
@@ -40,6 +45,7 @@ class KimiLinearConfig(PretrainedConfig):
         use_grouped_topk: bool = True,
         num_expert_group: int = 1,
         topk_group: int = 1,
+        topk_method: str = "noaux_tc",
         q_lora_rank: int | None = None,
         kv_lora_rank: int | None = None,
         qk_nope_head_dim: int | None = None,
@@ -48,6 +54,13 @@ class KimiLinearConfig(PretrainedConfig):
         mla_use_nope: bool | None = False,
         num_nextn_predict_layers: int = 0,
         linear_attn_config: dict | None = None,
+        attn_res_block_size: int | None = None,
+        routed_expert_hidden_size: int | None = None,
+        latent_moe_use_norm: bool = False,
+        activation_situ_beta: float | None = None,
+        activation_situ_linear_beta: float | None = None,
+        mla_use_output_gate: bool = False,
+        max_position_embeddings: int = 4096,
         **kwargs,
     ):
         self.model_type = model_type
@@ -80,6 +93,7 @@ class KimiLinearConfig(PretrainedConfig):
         self.mla_use_nope = mla_use_nope
         # moe config
         self.n_routed_experts = self.num_experts = num_experts
+        self.topk_method = topk_method
         self.num_experts_per_token = num_experts_per_token
         self.moe_renormalize = moe_renormalize
         self.num_shared_experts = num_shared_experts
@@ -93,6 +107,14 @@ class KimiLinearConfig(PretrainedConfig):
         self.num_expert_group = num_expert_group
         self.topk_group = topk_group
         self.num_nextn_predict_layers = num_nextn_predict_layers
+
+        self.attn_res_block_size = attn_res_block_size
+        self.routed_expert_hidden_size = routed_expert_hidden_size
+        self.latent_moe_use_norm = latent_moe_use_norm
+        self.activation_situ_beta = activation_situ_beta
+        self.activation_situ_linear_beta = activation_situ_linear_beta
+        self.mla_use_output_gate = mla_use_output_gate
+        self.max_position_embeddings = max_position_embeddings
 
         if linear_attn_config is not None:
             assert linear_attn_config["kda_layers"] is not None
@@ -149,10 +171,9 @@ class KimiLinearConfig(PretrainedConfig):
 
     @property
     def mamba2_cache_params(self) -> KimiLinearCacheParams:
-        from sglang.srt.layers.dp_attention import get_attention_tp_size
 
         shape = KimiLinearStateShape.create(
-            tp_world_size=get_attention_tp_size(),
+            tp_world_size=get_parallel().attn_tp_size,
             num_heads=self.linear_attn_config["num_heads"],
             head_dim=self.linear_attn_config["head_dim"],
             conv_kernel_size=self.linear_attn_config["short_conv_kernel_size"],

@@ -1,5 +1,4 @@
 from transformers import PretrainedConfig
-from transformers.configuration_utils import layer_type_validation
 
 from sglang.utils import logger
 
@@ -235,7 +234,6 @@ class Qwen3OmniMoeThinkerConfig(PretrainedConfig):
 
 
 class Qwen3OmniMoeTalkerCodePredictorConfig(PretrainedConfig):
-
     model_type = "qwen3_omni_moe_talker_code_predictor"
     keys_to_ignore_at_inference = ["past_key_values"]
 
@@ -320,12 +318,11 @@ class Qwen3OmniMoeTalkerCodePredictorConfig(PretrainedConfig):
                 )
                 for i in range(self.num_hidden_layers)
             ]
-        layer_type_validation(self.layer_types, self.num_hidden_layers)
+        self.validate_layer_type()
         self.num_code_groups = num_code_groups
 
 
 class Qwen3OmniMoeTalkerTextConfig(PretrainedConfig):
-
     model_type = "qwen3_omni_moe_talker_text"
     keys_to_ignore_at_inference = ["past_key_values"]
 
@@ -415,7 +412,6 @@ class Qwen3OmniMoeTalkerTextConfig(PretrainedConfig):
 
 
 class Qwen3OmniMoeTalkerConfig(PretrainedConfig):
-
     sub_configs = {
         "code_predictor_config": Qwen3OmniMoeTalkerCodePredictorConfig,
         "text_config": Qwen3OmniMoeTalkerTextConfig,
@@ -486,7 +482,6 @@ class Qwen3OmniMoeTalkerConfig(PretrainedConfig):
 
 
 class Qwen3OmniMoeCode2WavConfig(PretrainedConfig):
-
     def __init__(
         self,
         codebook_size=2048,
@@ -538,7 +533,6 @@ class Qwen3OmniMoeCode2WavConfig(PretrainedConfig):
 
 
 class Qwen3OmniMoeConfig(PretrainedConfig):
-
     model_type = "qwen3_omni_moe"
     sub_configs = {
         "thinker_config": Qwen3OmniMoeThinkerConfig,

@@ -9,16 +9,16 @@ import torch.distributed as dist
 
 from sglang.srt.connector import BaseConnector
 from sglang.srt.utils import init_custom_process_group
+from sglang.srt.utils.common import is_npu
 
 logger = logging.getLogger(__name__)
 
 
 class RemoteInstanceConnector(BaseConnector):
-
     def __init__(self, url: str, device: torch.device = "cpu"):
-        assert (
-            device.type == "cuda"
-        ), "RemoteInstanceConnector only supports cuda device."
+        assert device.type == "cuda" or device.type == "npu", (
+            "RemoteInstanceConnector only supports cuda device."
+        )
         super().__init__(url)
         self.url = url
         self.device = device
@@ -31,12 +31,12 @@ class RemoteInstanceConnector(BaseConnector):
         group_rank: int = 1,
         world_size: int = 2,
     ):
-        assert (
-            self.device.type == "cuda"
-        ), "RemoteInstanceConnector only supports cuda device."
-        assert (
-            gpu_id != -1 and tp_rank != -1
-        ), "gpu_id and tp_rank must be specified for RemoteInstanceConnector. "
+        assert self.device.type == "cuda" or self.device.type == "npu", (
+            "RemoteInstanceConnector only supports cuda device."
+        )
+        assert gpu_id != -1 and tp_rank != -1, (
+            "gpu_id and tp_rank must be specified for RemoteInstanceConnector. "
+        )
 
         self.device_id = torch.device(self.device.type, gpu_id)
 
@@ -44,7 +44,7 @@ class RemoteInstanceConnector(BaseConnector):
         master_address = parsed_url.hostname
         master_port = parsed_url.port
         group_name = f"send_weights_{instance_ip}_{master_port}_{tp_rank}"
-        backend = "nccl"
+        backend = "nccl" if not is_npu() else "hccl"
 
         logger.info(
             f"init custom process group: master_address={master_address}, master_port={master_port}, "

@@ -11,20 +11,29 @@
 # See the License for the specific language governing permissions and
 # limitations under the License.
 # ==============================================================================
-"""The baseclass of a backend for grammar-guided constrained decoding."""
+"""The base class of a backend for grammar-guided constrained decoding."""
 
+import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from threading import Event
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.parser.reasoning_parser import ReasoningParser
+from sglang.srt.runtime_context import (
+    get_context,
+    get_exec,
+    get_resources,
+    get_serving,
+)
 from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_BACKEND_REGISTRY = {}
 
 
 @dataclass
@@ -39,8 +48,14 @@ class GrammarStats:
     num_timeout: int = 0
 
 
-class BaseGrammarObject:
+class GrammarRow(NamedTuple):
+    """Grammar and destination row for a batched vocab-mask fill."""
 
+    row: int
+    grammar: "BaseGrammarObject"
+
+
+class BaseGrammarObject:
     def __init__(self):
         self._finished = False
         self.grammar_stats = None
@@ -67,6 +82,19 @@ class BaseGrammarObject:
         raise NotImplementedError()
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        raise NotImplementedError()
+
+    @staticmethod
+    def fill_vocab_mask_batched(
+        entries: List[GrammarRow], vocab_mask: torch.Tensor
+    ) -> None:
+        """Fill listed rows, leaving unlisted rows untouched."""
+        for entry in entries:
+            entry.grammar.fill_vocab_mask(vocab_mask, entry.row)
+
+    @staticmethod
+    def reset_vocab_mask(vocab_mask: torch.Tensor) -> None:
+        """Restore a reusable mask to the backend's unconstrained state."""
         raise NotImplementedError()
 
     @staticmethod
@@ -117,60 +145,155 @@ class BaseGrammarObject:
         raise NotImplementedError()
 
 
-INVALID_GRAMMAR_OBJ = BaseGrammarObject()
+class GrammarMask(NamedTuple):
+    """A filled vocab_mask plus the backend that applies it.
+
+    The grammar is any one of the batch's -- a handle, not per-request state.
+    """
+
+    grammar: BaseGrammarObject
+    vocab_mask: torch.Tensor
+
+    def apply(self, logits: torch.Tensor) -> None:
+        self.grammar.apply_vocab_mask(logits=logits, vocab_mask=self.vocab_mask)
 
 
-@dataclass
-class CacheEntry:
-    value: BaseGrammarObject
-    event: Event
+def _grammar_key_contains_nul(key_type: str, key_string: str) -> bool:
+    """A NUL in a spec segfaults xgrammar's regex converter, which a JSON schema
+    also reaches through `pattern` (possibly escaped). Drop once the upstream fix
+    https://github.com/mlc-ai/xgrammar/pull/850 is in our pinned version.
+    """
+    if "\x00" in key_string:
+        return True
+    if key_type not in ("json", "structural_tag"):
+        return False
+    try:
+        decoded = json.loads(key_string)
+    except ValueError:
+        # Malformed JSON: the backend's own parse reports it as a normal error.
+        return False
+
+    stack = [decoded]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if "\x00" in node:
+                return True
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+class InvalidGrammarObject(BaseGrammarObject):
+    """Represents a grammar that failed to compile, carrying the original error message."""
+
+    def __init__(self, error_message: str = "Unknown grammar error"):
+        super().__init__()
+        self.error_message = error_message
+
+    def __repr__(self):
+        return f"InvalidGrammarObject(error_message={self.error_message!r})"
 
 
 class BaseGrammarBackend:
+    _enable_strict_thinking: bool = False
+
     def __init__(self):
         self.executor = ThreadPoolExecutor()
-        self.cache: Dict[Tuple[str, str], CacheEntry] = {}
+        self.cache: Dict[Tuple[str, str], BaseGrammarObject] = {}
 
-    def _not_supported(self, key_type: str, key_string: str) -> None:
+    def initialize_vocab_mask_buffer(
+        self,
+        name: str,
+        vocab_size: int,
+        max_rows: int,
+        device,
+    ) -> Optional[torch.Tensor]:
+        """Initialize a reusable mask buffer when supported by the backend."""
+        return None
+
+    def _not_supported(self, key_type: str, key_string: str) -> BaseGrammarObject:
         logger.warning(f"Skip unsupported {key_type=}, {key_string=}")
+        return InvalidGrammarObject()
 
-    def dispatch_fallback(
-        self, key_type: str, key_string: str
+    @property
+    def enable_strict_thinking(self):
+        return self._enable_strict_thinking
+
+    def get_request_grammar_key(
+        self,
+        key: Tuple[str, str],
+        *,
+        input_ids: Sequence[int],
+        thinking_budget: Optional[int],
+    ) -> Tuple[str, str]:
+        """Cache key for this request's grammar; may depend on how the prompt ends
+        and on the request's thinking budget."""
+        return key
+
+    def reserve_framing_tokens(self, token_ids: Sequence[int]) -> None:
+        """Let ``token_ids`` match only token-level framing, never grammar text."""
+
+    def compile_framed_grammar(
+        self, grammar: BaseGrammarObject, frame: Callable[[dict], dict]
     ) -> Optional[BaseGrammarObject]:
+        """Compile ``frame(content)``, an XGrammar structural tag embedding ``grammar``
+        as content; None if the backend cannot embed it."""
+        return None
+
+    @property
+    def is_support_token_filter(self):
+        return False
+
+    def set_token_filter(
+        self, vocab_mask, token_ids, batch_idx, is_allowed=True, reset_vocab_mask=True
+    ):
+        """Set or clear specific tokens in the vocab mask. No-op by default."""
+        pass
+
+    def init_strict_reasoning_grammar(self, reasoning: bool):
+        """Create a grammar object for strict token filtering only. Returns None by default."""
+        return None
+
+    def dispatch_fallback(self, key_type: str, key_string: str) -> BaseGrammarObject:
         """
         This function should not be reached in any case.
         """
         raise ValueError(f"Invalid key_type: {key_type}={key_string}")
 
-    def dispatch_json(self, key_string: str) -> Optional[BaseGrammarObject]:
+    def dispatch_json(self, key_string: str) -> BaseGrammarObject:
         return self._not_supported("json", key_string)
 
-    def dispatch_regex(self, key_string: str) -> Optional[BaseGrammarObject]:
+    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
         return self._not_supported("regex", key_string)
 
-    def dispatch_ebnf(self, key_string: str) -> Optional[BaseGrammarObject]:
+    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
         return self._not_supported("ebnf", key_string)
 
-    def dispatch_structural_tag(self, key_string: str) -> Optional[BaseGrammarObject]:
+    def dispatch_structural_tag(self, key_string: str) -> BaseGrammarObject:
         return self._not_supported("structural_tag", key_string)
 
     def _init_value_dispatch(
         self, key: Tuple[str, str], require_reasoning: bool
-    ) -> Optional[BaseGrammarObject]:
+    ) -> BaseGrammarObject:
         s = time.perf_counter()
         key_type, key_string = key
+        if _grammar_key_contains_nul(key_type, key_string):
+            logger.error(f"Rejecting {key_type} grammar containing a NUL byte")
+            return InvalidGrammarObject(
+                f"Invalid {key_type}: NUL bytes (\\u0000) are not allowed"
+            )
         if key_type == "json":
             grammar = self.dispatch_json(key_string)
         elif key_type == "regex":
             grammar = self.dispatch_regex(key_string)
-        elif key_type == "ebnf":
+        elif key_type in ("ebnf", "full_assistant_ebnf"):
             grammar = self.dispatch_ebnf(key_string)
         elif key_type == "structural_tag":
             grammar = self.dispatch_structural_tag(key_string)
-        elif key_type == "structural_pattern":
-            grammar = self.dispatch_structural_pattern(key_string)
-        elif key_type == "structural_pattern_v2":
-            grammar = self.dispatch_structural_pattern_v2(key_string)
         else:
             grammar = self.dispatch_fallback(key_type, key_string)
 
@@ -180,7 +303,7 @@ class BaseGrammarBackend:
 
     def get_cached_or_future_value(
         self, key: Tuple[str, str], require_reasoning: bool
-    ) -> Optional[BaseGrammarObject]:
+    ) -> Tuple[BaseGrammarObject | Future[BaseGrammarObject], bool]:
         value = self.cache.get(key)
         if value:
             copied_value = value.copy()
@@ -196,7 +319,49 @@ class BaseGrammarBackend:
         self.cache.clear()
 
 
-GRAMMAR_BACKEND_REGISTRY = {}
+def register_vocab_mask_buffer(
+    name: str, vocab_mask: torch.Tensor, max_rows: int
+) -> torch.Tensor:
+    """Register a fixed-capacity mask buffer, preserving an equivalent one."""
+    if max_rows <= 0:
+        raise ValueError(f"Grammar mask max_rows must be positive, got {max_rows}")
+    if vocab_mask.ndim == 0 or vocab_mask.shape[0] != max_rows:
+        raise ValueError(
+            f"Grammar mask buffer {name!r} must have {max_rows} rows, "
+            f"got shape {tuple(vocab_mask.shape)}"
+        )
+
+    buffers = get_resources().buffers
+    existing = buffers.get(name)
+    if existing is not None:
+        if (
+            existing.shape != vocab_mask.shape
+            or existing.dtype != vocab_mask.dtype
+            or existing.device != vocab_mask.device
+        ):
+            raise RuntimeError(
+                f"Grammar mask buffer {name!r} was already initialized as "
+                f"{tuple(existing.shape)}, {existing.dtype}, {existing.device}; "
+                f"new buffer is {tuple(vocab_mask.shape)}, {vocab_mask.dtype}, "
+                f"{vocab_mask.device}"
+            )
+        return existing
+
+    buffers[name] = vocab_mask
+    return vocab_mask
+
+
+def get_vocab_mask_buffer(name: str, rows: int) -> Optional[torch.Tensor]:
+    """Return the active rows of a registered mask buffer, if available."""
+    vocab_mask = get_resources().buffers.get(name)
+    if vocab_mask is None:
+        return None
+    if rows > vocab_mask.shape[0]:
+        raise ValueError(
+            f"Grammar batch needs {rows} mask rows, exceeding initialized "
+            f"capacity {vocab_mask.shape[0]} for {name!r}"
+        )
+    return vocab_mask[:rows]
 
 
 def register_grammar_backend(name, init_func):
@@ -208,8 +373,9 @@ def create_grammar_backend(
     tokenizer,
     vocab_size: int,
     eos_token_ids: Optional[set] = None,
+    think_end_ids: Optional[List[int]] = None,
 ) -> Optional[BaseGrammarBackend]:
-    name = server_args.grammar_backend
+    name = get_exec().kernel.grammar_backend
 
     # Custom grammar backend has the highest priority
     if name in GRAMMAR_BACKEND_REGISTRY:
@@ -223,7 +389,7 @@ def create_grammar_backend(
 
         grammar_backend = OutlinesGrammarBackend(
             tokenizer,
-            whitespace_pattern=server_args.constrained_json_whitespace_pattern,
+            whitespace_pattern=get_serving().constrained_json_whitespace_pattern,
         )
     elif name == "xgrammar":
         from sglang.srt.constrained.xgrammar_backend import (
@@ -239,36 +405,62 @@ def create_grammar_backend(
                 tokenizer,
                 vocab_size=vocab_size,
                 model_eos_token_ids=eos_list,
-                any_whitespace=not server_args.constrained_json_disable_any_whitespace,
+                any_whitespace=not get_serving().constrained_json_disable_any_whitespace,
+                max_whitespace_cnt=get_serving().constrained_json_max_whitespace_cnt,
             )
         except TokenizerNotSupportedError as e:
+            if get_serving().enable_strict_thinking:
+                raise ValueError(
+                    f"--enable-strict-thinking requires a grammar backend with "
+                    f"token filtering support, but XGrammar failed to initialize: "
+                    f"{e}. Cannot fall back to grammar_backend='none' with strict "
+                    f"thinking enabled."
+                ) from e
             logger.warning(
                 f"Grammar backend disabled because tokenizer is not supported by XGrammar: {e}. "
                 "Falling back to grammar_backend='none'. "
                 "Structured outputs (JSON schema, regex, EBNF) will not be available."
             )
-            server_args.grammar_backend = "none"
+            get_context().override("grammar.import_fallback", grammar_backend="none")
             return None
     elif name == "llguidance":
         from sglang.srt.constrained.llguidance_backend import GuidanceBackend
 
         grammar_backend = GuidanceBackend(
             tokenizer=tokenizer,
-            any_whitespace=not server_args.constrained_json_disable_any_whitespace,
-            whitespace_pattern=server_args.constrained_json_whitespace_pattern,
+            any_whitespace=not get_serving().constrained_json_disable_any_whitespace,
+            whitespace_pattern=get_serving().constrained_json_whitespace_pattern,
+            n_vocab=vocab_size,
+            eos_token_ids=eos_token_ids,
         )
     elif name == "none":
+        if get_serving().enable_strict_thinking:
+            raise ValueError(
+                "--enable-strict-thinking requires a grammar backend that supports "
+                "token filtering, but grammar_backend='none' was specified. Use "
+                "--grammar-backend xgrammar or another backend that supports token "
+                "filtering."
+            )
         return None
     else:
         raise ValueError(f"Invalid grammar backend: {name}")
 
-    if server_args.reasoning_parser and hasattr(tokenizer, "think_end_id"):
+    if get_serving().reasoning_parser and think_end_ids:
         from sglang.srt.constrained.reasoner_grammar_backend import (
             ReasonerGrammarBackend,
         )
 
+        reasoning_parser = ReasoningParser(
+            model_type=get_serving().reasoning_parser,
+            stream_reasoning=False,
+            tokenizer=tokenizer,
+        )
+
         grammar_backend = ReasonerGrammarBackend(
-            grammar_backend, tokenizer.think_end_id
+            grammar_backend,
+            reasoning_parser,
+            tokenizer,
+            enable_strict_thinking=get_serving().enable_strict_thinking,
         )
 
     return grammar_backend

@@ -5,6 +5,8 @@ from typing import List, Optional, Tuple
 import requests
 import torch
 
+from sglang.srt.arg_groups.overrides import resolving_view
+from sglang.srt.arg_groups.serving_hook import ssl_verify_of
 from sglang.srt.entrypoints.EngineBase import EngineBase
 from sglang.srt.entrypoints.http_server import launch_server
 from sglang.srt.server_args import ServerArgs
@@ -12,6 +14,10 @@ from sglang.srt.utils import MultiprocessingSerializer, kill_process_tree
 
 
 def launch_server_process(server_args: ServerArgs) -> multiprocessing.Process:
+    # Resolve here, not in the child: the pipeline probes the device, and a
+    # forked child cannot re-initialize CUDA if this process already has. The
+    # child's gate then finds nothing left to do.
+    server_args.resolve_once()
 
     p = multiprocessing.Process(target=launch_server, args=(server_args,))
     p.start()
@@ -20,14 +26,21 @@ def launch_server_process(server_args: ServerArgs) -> multiprocessing.Process:
     timeout = 300.0  # Increased timeout to 5 minutes for downloading large models
     start_time = time.perf_counter()
 
+    ssl_verify = ssl_verify_of(server_args)
+    # The adapter's own configuration, not the bags: this runs in the parent,
+    # and the record it was handed is published only inside the server child.
+    cfg = resolving_view(server_args)
+
     with requests.Session() as session:
         while time.perf_counter() - start_time < timeout:
             try:
                 headers = {
                     "Content-Type": "application/json; charset=utf-8",
-                    "Authorization": f"Bearer {server_args.api_key}",
+                    "Authorization": f"Bearer {cfg.api_key}",
                 }
-                response = session.get(f"{base_url}/health_generate", headers=headers)
+                response = session.get(
+                    f"{base_url}/health_generate", headers=headers, verify=ssl_verify
+                )
                 if response.status_code == 200:
                     return p
             except requests.RequestException:
@@ -51,9 +64,11 @@ class HttpServerEngineAdapter(EngineBase):
 
     def __init__(self, **kwargs):
         self.server_args = ServerArgs(**kwargs)
-        print(
-            f"Launch HttpServerEngineAdapter at: {self.server_args.host}:{self.server_args.port}"
-        )
+        # This process launches the server as a child and never publishes, so
+        # every read here is of the record it just built -- a bag read would
+        # either fail closed or answer for an unrelated engine in the process.
+        cfg = resolving_view(self.server_args)
+        print(f"Launch HttpServerEngineAdapter at: {cfg.host}:{cfg.port}")
         self.process = launch_server_process(self.server_args)
 
     def _make_request(self, endpoint: str, payload: Optional[dict] = None):
@@ -64,10 +79,18 @@ class HttpServerEngineAdapter(EngineBase):
         Returns:
             The JSON response from the server
         """
-        url = f"http://{self.server_args.host}:{self.server_args.port}/{endpoint}"
-        response = requests.post(url, json=payload or {})
+        url = f"{self.server_args.url()}/{endpoint}"
+        response = requests.post(
+            url, json=payload or {}, verify=ssl_verify_of(self.server_args)
+        )
         response.raise_for_status()
         return response.json()
+
+    def begin_weight_update(self, selector: str = "all"):
+        return self._make_request("begin_weight_update", {"selector": selector})
+
+    def end_weight_update(self):
+        return self._make_request("end_weight_update")
 
     def update_weights_from_tensor(
         self,
@@ -86,7 +109,7 @@ class HttpServerEngineAdapter(EngineBase):
             {
                 "serialized_named_tensors": [
                     MultiprocessingSerializer.serialize(named_tensors, output_str=True)
-                    for _ in range(self.server_args.tp_size)
+                    for _ in range(resolving_view(self.server_args).tp_size)
                 ],
                 "load_format": load_format,
                 "flush_cache": flush_cache,
@@ -94,7 +117,7 @@ class HttpServerEngineAdapter(EngineBase):
         )
 
     def shutdown(self):
-        kill_process_tree(self.process.pid)
+        kill_process_tree(self.process.pid, wait_timeout=60)
 
     def generate(
         self,
@@ -109,6 +132,7 @@ class HttpServerEngineAdapter(EngineBase):
         lora_path=None,
         custom_logit_processor=None,
         priority=None,
+        session_id=None,
     ):
         payload = {
             "text": prompt,
@@ -122,6 +146,7 @@ class HttpServerEngineAdapter(EngineBase):
             "lora_path": lora_path,
             "custom_logit_processor": custom_logit_processor,
             "priority": priority,
+            "session_id": session_id,
         }
         # Filter out None values
         payload = {k: v for k, v in payload.items() if v is not None}

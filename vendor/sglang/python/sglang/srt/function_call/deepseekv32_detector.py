@@ -2,8 +2,6 @@ import json
 import logging
 import re
 
-from partial_json_parser.core.options import Allow
-
 from sglang.srt.entrypoints.openai.protocol import Tool
 from sglang.srt.function_call.base_format_detector import BaseFormatDetector
 from sglang.srt.function_call.core_types import (
@@ -12,9 +10,12 @@ from sglang.srt.function_call.core_types import (
     ToolCallItem,
     _GetInfoFunc,
 )
-from sglang.srt.function_call.utils import _find_common_prefix, _partial_json_loads
 
 logger = logging.getLogger(__name__)
+
+
+def _reject_json_constant(value: str) -> None:
+    raise ValueError(f"Invalid JSON constant: {value}")
 
 
 class DeepSeekV32Detector(BaseFormatDetector):
@@ -69,33 +70,69 @@ class DeepSeekV32Detector(BaseFormatDetector):
     Reference: DeepSeek V3.2 format specification
     """
 
+    # Tag names after the DSML marker; subclasses override for newer formats.
+    dsml_token = "｜DSML｜"
+    tool_calls_block_name = "function_calls"
+    invoke_tag_name = "invoke"
+    parameter_tag_name = "parameter"
+    strip_string_param_value: bool = True
+
     def __init__(self):
         super().__init__()
-        self.bot_token = "<｜DSML｜function_calls>"
-        self.eot_token = "</｜DSML｜function_calls>"
-        self.invoke_end_token = "</｜DSML｜invoke>"
-        self.parameter_regex = r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="([^"]+)"\s*>(.*?)</｜DSML｜parameter>'
-        self.partial_parameter_regex = (
-            r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="([^"]+)"\s*>(.*)$'
+        block = f"{self.dsml_token}{self.tool_calls_block_name}"
+        invoke = f"{self.dsml_token}{self.invoke_tag_name}"
+        parameter = f"{self.dsml_token}{self.parameter_tag_name}"
+        self.bot_token = f"<{block}>"
+        self.eot_token = f"</{block}>"
+        self.invoke_start_token = f"<{invoke}"
+        self.invoke_end_token = f"</{invoke}>"
+        self.parameter_regex = (
+            rf'<{parameter}\s+name="([^"]+)"\s+string="([^"]+)"\s*>(.*?)</{parameter}>'
         )
-        self.function_calls_regex = (
-            r"<｜DSML｜function_calls>(.*?)</｜DSML｜function_calls>"
-        )
+        self.function_calls_regex = rf"<{block}>(.*?)</{block}>"
+        # Long-form `<｜DSML｜invoke name="x">...</｜DSML｜invoke>` and the
+        # self-closing `<｜DSML｜invoke name="x"/>` shape V4 emits for zero-arg
+        # tools. The `end` group is empty when the closer hasn't streamed in.
         self.invoke_regex = (
-            r'<｜DSML｜invoke\s+name="([^"]+)"\s*>(.*?)(</｜DSML｜invoke>|$)'
+            rf'<{invoke}\s+name="(?P<name>[^"]+)"\s*'
+            r"(?:(?P<self_close>/>)"
+            rf"|>(?P<body>.*?)(?P<end>(?:</{invoke}>|$)))"
         )
-        self.prefix_parameter_end_call = ["</", "｜DSML｜", "parameter"]
         self.current_tool_id = -1
 
     def has_tool_call(self, text: str) -> bool:
         """Check if the text contains a deepseek v32 format tool call."""
-        return self.bot_token in text or "<｜DSML｜invoke" in text
+        return self.bot_token in text or self.invoke_start_token in text
 
-    def _parse_parameters_from_xml(
-        self, invoke_content: str, allow_partial: bool = False
-    ) -> dict:
+    def _text_before_dsml(self, text: str) -> str:
+        """Prose preceding the first DSML tag, with the trailing blank line the
+        chat template inserts before a tool call removed."""
+        idx = text.find(self.dsml_token)
+        if idx == -1:
+            return text
+        if idx >= 2 and text[idx - 2 : idx] == "</":
+            idx -= 2
+        elif idx >= 1 and text[idx - 1] == "<":
+            idx -= 1
+        return text[:idx].removesuffix("\n\n")
+
+    @staticmethod
+    def _unpack_invoke_match(m: "re.Match[str]") -> tuple[str, str, bool]:
+        """Returns (name, body, is_complete) for an invoke_regex match.
+
+        Self-closing invokes have empty body and are always complete.
+        Long-form bodies are always strings (possibly empty); they're
+        incomplete when matched against `$` because the closing tag
+        hasn't streamed in yet.
         """
-        Parse parameters from either XML-like format or JSON format to dict.
+        name = m.group("name").strip()
+        if m.group("self_close"):
+            return name, "", True
+        return name, m.group("body"), bool(m.group("end"))
+
+    def _parse_parameters_from_xml(self, invoke_content: str) -> str:
+        """
+        Parse parameters from either XML-like format or JSON format to str.
 
         Supports two formats:
         1. XML parameter tags: <｜DSML｜parameter name="..." string="...">value</｜DSML｜parameter>
@@ -103,17 +140,13 @@ class DeepSeekV32Detector(BaseFormatDetector):
         """
         # First, try to parse as direct JSON (new format)
         invoke_content_stripped = invoke_content.strip()
-
-        if invoke_content_stripped.startswith("{") and invoke_content_stripped.endswith(
-            "}"
-        ):
-            try:
-                parameters = json.loads(invoke_content_stripped)
-                if isinstance(parameters, dict):
-                    return parameters
-            except (json.JSONDecodeError, ValueError):
-                # If JSON parsing fails, fall through to XML parsing
-                pass
+        if invoke_content_stripped.startswith("{"):
+            parsed = json.loads(
+                invoke_content_stripped, parse_constant=_reject_json_constant
+            )
+            if not isinstance(parsed, dict):
+                raise ValueError("DeepSeek tool arguments must be a JSON object")
+            return invoke_content_stripped
 
         # Fall back to XML parameter tag parsing (original format)
         parameters = {}
@@ -122,47 +155,42 @@ class DeepSeekV32Detector(BaseFormatDetector):
             re.finditer(self.parameter_regex, invoke_content, re.DOTALL)
         )
 
+        # Stray prose around the parameter tags is ignored, as before. Leftover
+        # text holding a DSML fragment is a parameter tag that did not match
+        # (unclosed, self-closing, missing `string=`), and emitting the call
+        # without that argument would be worse than emitting no call.
         last_match_end = 0
+        leftover = []
         for match in param_matches:
+            leftover.append(invoke_content[last_match_end : match.start()])
             param_name = match.group(1)
             param_type = match.group(2)
             param_value = match.group(3)
             last_match_end = match.end()
-
             # Convert value based on type
             if param_type == "true":  # string type
-                parameters[param_name] = param_value.strip()
+                parameters[param_name] = (
+                    param_value.strip()
+                    if self.strip_string_param_value
+                    else param_value
+                )
             else:
                 # Try to parse as JSON for other types
                 try:
-                    parameters[param_name] = json.loads(param_value.strip())
+                    parameters[param_name] = json.loads(
+                        param_value.strip(), parse_constant=_reject_json_constant
+                    )
                 except (json.JSONDecodeError, ValueError):
                     parameters[param_name] = param_value.strip()
+        leftover.append(invoke_content[last_match_end:])
 
-        # If allowed, try to parse a partial parameter at the end
-        if allow_partial:
-            remaining_content = invoke_content[last_match_end:]
+        leftover_text = "".join(leftover)
+        if self.dsml_token in leftover_text or (
+            not param_matches and leftover_text.strip()
+        ):
+            raise ValueError("Malformed DeepSeek tool parameter")
 
-            # Remove incomplete parameter_end_call prefix in case they are captured by param
-            for token in reversed(self.prefix_parameter_end_call):
-                remaining_content = remaining_content.rstrip(token)
-
-            # Match start of a parameter tag + value (potentially incomplete)
-            # Regex: <tag name="..." string="...">VALUE... (no end tag)
-            partial_match = re.search(
-                self.partial_parameter_regex, remaining_content, re.DOTALL
-            )
-
-            if partial_match and (param_value := partial_match.group(3)):
-                param_name = partial_match.group(1)
-                if partial_match.group(2) == "true":
-                    parameters[param_name] = param_value.strip()
-                else:
-                    parameters[param_name] = _partial_json_loads(
-                        param_value, Allow.ALL
-                    )[0]
-
-        return parameters
+        return json.dumps(parameters, ensure_ascii=False)
 
     def detect_and_parse(self, text: str, tools: list[Tool]) -> StreamingParseResult:
         """
@@ -173,58 +201,72 @@ class DeepSeekV32Detector(BaseFormatDetector):
         :return: ParseResult indicating success or failure, consumed text, leftover text, and parsed calls.
         """
         idx = text.find(self.bot_token)
-        normal_text = text[:idx].strip() if idx != -1 else text
-        if self.bot_token not in text:
+        if idx != -1:
+            normal_text = text[:idx].removesuffix("\n\n")
+            sections = re.findall(self.function_calls_regex, text, re.DOTALL)
+        else:
+            # The streaming path accepts bare invokes without the outer
+            # wrapper; parse them here too instead of leaking raw DSML.
+            start = text.find(self.invoke_start_token)
+            if start == -1:
+                return StreamingParseResult(normal_text=text, calls=[])
+            normal_text = self._text_before_dsml(text)
+            sections = [text[start:]]
+
+        if not sections:
             return StreamingParseResult(normal_text=normal_text, calls=[])
 
         calls = []
         try:
-            # Extract content between function_calls tags
-            function_calls_match = re.search(
-                self.function_calls_regex,
-                text,
-                re.DOTALL,
-            )
-            if not function_calls_match:
-                return StreamingParseResult(normal_text=normal_text, calls=[])
-
-            function_calls_content = function_calls_match.group(1)
-
             # Find all invoke blocks
-            invoke_matches = re.findall(
-                self.invoke_regex, function_calls_content, re.DOTALL
-            )
-
-            for func_name, invoke_content, _ in invoke_matches:
-                # Parse parameters from XML format
-                func_args = self._parse_parameters_from_xml(invoke_content)
-                # construct match_result for parse_base_json
-                match_result = {"name": func_name, "parameters": func_args}
-                calls.extend(self.parse_base_json(match_result, tools))
+            for function_calls_content in sections:
+                for invoke_match in re.finditer(
+                    self.invoke_regex, function_calls_content, re.DOTALL
+                ):
+                    func_name, invoke_content, is_complete = self._unpack_invoke_match(
+                        invoke_match
+                    )
+                    if not is_complete:
+                        logger.warning(
+                            f"Dropping unclosed DeepSeek invoke '{func_name}'"
+                        )
+                        continue
+                    try:
+                        func_args = self._parse_parameters_from_xml(invoke_content)
+                    except ValueError as e:
+                        logger.warning(f"Dropping malformed DeepSeek invoke: {e}")
+                        continue
+                    # construct match_result for parse_base_json
+                    match_result = {
+                        "name": func_name,
+                        "parameters": json.loads(func_args),
+                    }
+                    calls.extend(self.parse_base_json(match_result, tools))
 
             return StreamingParseResult(normal_text=normal_text, calls=calls)
         except Exception as e:
             logger.error(f"Error in detect_and_parse: {e}")
-            # return the normal text if parsing fails
-            return StreamingParseResult(normal_text=text)
+            # Fail closed: keep the prose, never surface DSML as content.
+            return StreamingParseResult(normal_text=normal_text, calls=calls)
 
     def parse_streaming_increment(
         self, new_text: str, tools: list[Tool]
     ) -> StreamingParseResult:
         """
         Streaming incremental parsing tool calls for DeepSeekV32 format.
-        Supports multiple consecutive invoke blocks and argument streaming.
+        Supports multiple consecutive invoke blocks.
         """
         self._buffer += new_text
         current_text = self._buffer
 
         # Check if buffer contains any DSML markers or ends with potential tag prefix
         # This handles partial/streaming DSML content
-        dsml_markers = ["｜DSML｜", "<｜", "</｜"]
+        bar = self.dsml_token[0]
+        dsml_markers = [self.dsml_token, f"<{bar}", f"</{bar}"]
         potentially_dsml = any(marker in current_text for marker in dsml_markers)
 
         # Also check if text ends with start of a tag (to handle "<" arriving separately)
-        dsml_prefixes = ["<", "<｜", "</", "</｜"]
+        dsml_prefixes = ["<", f"<{bar}", "</", f"</{bar}"]
         ends_with_prefix = any(
             current_text.rstrip().endswith(prefix) for prefix in dsml_prefixes
         )
@@ -234,13 +276,22 @@ class DeepSeekV32Detector(BaseFormatDetector):
             and not potentially_dsml
             and not ends_with_prefix
         ):
-            self._buffer = ""
+            # Trailing whitespace may be the blank line ahead of a DSML block;
+            # hold it so it is trimmed with the preamble or dropped with the block.
+            stripped = current_text.rstrip()
+            if not stripped:
+                return StreamingParseResult()
+            self._buffer = current_text[len(stripped) :]
+            current_text = stripped
             for e_token in [self.eot_token, self.invoke_end_token]:
                 if e_token in current_text:
                     current_text = current_text.replace(e_token, "")
             return StreamingParseResult(normal_text=current_text)
 
         all_calls: list[ToolCallItem] = []
+        # Only recovered for the first call: the DSML guard above never releases a
+        # buffer that still holds a marker, so later prose stays buffered.
+        preamble = ""
         try:
             # Loop to handle multiple consecutive invoke blocks
             while True:
@@ -253,16 +304,34 @@ class DeepSeekV32Detector(BaseFormatDetector):
                 if not invoke_match:
                     break
 
-                func_name = invoke_match.group(1).strip()
-                invoke_content = invoke_match.group(2)
-                # group(3) is either "</｜DSML｜invoke>" (complete) or "" (incomplete, matched with $)
-                is_tool_end = bool(invoke_match.group(3))
+                func_name, invoke_content, is_tool_end = self._unpack_invoke_match(
+                    invoke_match
+                )
+                if not is_tool_end:
+                    break
 
-                # Initialize state if this is the first tool call
+                # Initialize state on the first complete invoke, malformed or
+                # not: the preamble is released once and the trailing DSML is
+                # withheld by finish() either way.
                 if self.current_tool_id == -1:
                     self.current_tool_id = 0
                     self.prev_tool_call_arr = []
-                    self.streamed_args_for_tool = [""]
+                    self.streamed_args_for_tool = []
+                    call_start = invoke_match.start()
+                    bot_pos = current_text.rfind(self.bot_token, 0, call_start)
+                    if bot_pos != -1:
+                        call_start = bot_pos
+                    # Same trailing-newline trim as detect_and_parse, so both agree.
+                    preamble = current_text[:call_start].removesuffix("\n\n")
+
+                try:
+                    current_params = self._parse_parameters_from_xml(invoke_content)
+                except ValueError as e:
+                    # Fail closed: drop this invoke, keep going for the next one.
+                    logger.warning(f"Dropping malformed DeepSeek invoke: {e}")
+                    self._buffer = current_text[invoke_match.end() :]
+                    current_text = self._buffer
+                    continue
 
                 # Ensure arrays are large enough for current tool
                 while len(self.prev_tool_call_arr) <= self.current_tool_id:
@@ -270,51 +339,14 @@ class DeepSeekV32Detector(BaseFormatDetector):
                 while len(self.streamed_args_for_tool) <= self.current_tool_id:
                     self.streamed_args_for_tool.append("")
 
-                # 1. Send tool name if not sent yet
-                if not self.current_tool_name_sent:
-                    all_calls.append(
-                        ToolCallItem(
-                            tool_index=self.current_tool_id,
-                            name=func_name,
-                            parameters="",
-                        )
+                all_calls.append(
+                    ToolCallItem(
+                        tool_index=self.current_tool_id,
+                        name=func_name,
+                        parameters=current_params,
                     )
-                    self.current_tool_name_sent = True
-
-                # 2. Parse current parameters (partial or complete)
-                current_params = self._parse_parameters_from_xml(
-                    invoke_content, allow_partial=not is_tool_end
                 )
-                current_args_json = json.dumps(current_params, ensure_ascii=False)
-
-                # 3. Calculate and send incremental arguments
-                sent_len = len(self.streamed_args_for_tool[self.current_tool_id])
-                prev_params = self.prev_tool_call_arr[self.current_tool_id].get(
-                    "arguments"
-                )
-
-                argument_diff = None
-
-                if is_tool_end:
-                    # If complete, send everything remaining
-                    argument_diff = current_args_json[sent_len:]
-                elif prev_params is not None:
-                    # If partial, send stable prefix diff
-                    prev_args_json = json.dumps(prev_params, ensure_ascii=False)
-                    if current_args_json != prev_args_json:
-                        prefix = _find_common_prefix(prev_args_json, current_args_json)
-                        if len(prefix) > sent_len:
-                            argument_diff = prefix[sent_len:]
-
-                if argument_diff:
-                    all_calls.append(
-                        ToolCallItem(
-                            tool_index=self.current_tool_id,
-                            name=None,
-                            parameters=argument_diff,
-                        )
-                    )
-                    self.streamed_args_for_tool[self.current_tool_id] += argument_diff
+                self.streamed_args_for_tool[self.current_tool_id] = current_params
 
                 # Update the stored arguments
                 self.prev_tool_call_arr[self.current_tool_id] = {
@@ -322,33 +354,40 @@ class DeepSeekV32Detector(BaseFormatDetector):
                     "arguments": current_params,
                 }
 
-                # Check if tool call is complete (has closing tag)
-                if is_tool_end:
-                    # Remove the completed tool call from buffer
-                    self._buffer = current_text[invoke_match.end() :]
-                    current_text = self._buffer  # Update for next iteration
-
-                    # Move to next tool call
-                    self.current_tool_id += 1
-                    self.current_tool_name_sent = False
-
-                    # Continue loop to check for more invoke blocks
-                    continue
-                else:
-                    # Tool call not complete yet, don't return anything
-                    # Wait for more chunks until we see </｜DSML｜invoke>
-                    break
+                # Remove the completed tool call from buffer and check for another.
+                self._buffer = current_text[invoke_match.end() :]
+                current_text = self._buffer
+                self.current_tool_id += 1
 
             # No more invoke blocks found
-            return StreamingParseResult(normal_text="", calls=all_calls)
+            return StreamingParseResult(normal_text=preamble, calls=all_calls)
 
         except Exception as e:
             logger.error(f"Error in parse_streaming_increment: {e}")
-            return StreamingParseResult(normal_text=current_text)
+            # Fail closed: drop the buffer, keep any prose ahead of the DSML,
+            # and never surface DSML as content.
+            self._buffer = ""
+            if self.current_tool_id == -1:
+                preamble = self._text_before_dsml(current_text)
+            return StreamingParseResult(normal_text=preamble, calls=all_calls)
+
+    def finish(self, tools: list[Tool]) -> StreamingParseResult:
+        if not self._buffer:
+            return StreamingParseResult()
+
+        buffered = self._buffer
+        self._buffer = ""
+        if self.current_tool_id != -1:
+            return StreamingParseResult()
+
+        return StreamingParseResult(normal_text=self._text_before_dsml(buffered))
 
     def structure_info(self) -> _GetInfoFunc:
         return lambda name: StructureInfo(
-            begin=f'<｜DSML｜invoke name="{name}">',
-            end="</｜DSML｜invoke>",
-            trigger=f"<｜DSML｜invoke",
+            begin=f'{self.invoke_start_token} name="{name}">',
+            end=self.invoke_end_token,
+            trigger=self.invoke_start_token,
         )
+
+    def get_structural_tag_name(self) -> str:
+        return "deepseek_v3_2"

@@ -1,4 +1,3 @@
-import ast
 import json
 import logging
 import re
@@ -11,6 +10,10 @@ from sglang.srt.function_call.core_types import (
     ToolCallItem,
     _GetInfoFunc,
 )
+from sglang.srt.function_call.utils import (
+    get_schema_properties,
+    safe_literal_eval,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +25,7 @@ def get_argument_type(func_name: str, arg_key: str, defined_tools: List[Tool]) -
         return None
     tool = name2tool[func_name]
     parameters = tool.function.parameters or {}
-    properties = parameters.get("properties", {})
+    properties = get_schema_properties(parameters)
     if arg_key not in properties:
         return None
     return properties[arg_key].get("type", None)
@@ -34,7 +37,7 @@ def parse_arguments(value: str) -> tuple[Any, bool]:
         try:
             parsed_value = json.loads(value)
         except:
-            parsed_value = ast.literal_eval(value)
+            parsed_value = safe_literal_eval(value)
         return parsed_value, True
     except:
         return value, False

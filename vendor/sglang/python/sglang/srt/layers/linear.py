@@ -1,31 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Adapted from https://github.com/vllm-project/vllm/blob/v0.6.4.post1/vllm/model_executor/layers/linear.py"""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Literal, Optional, Tuple
 
+import msgspec
 import torch
 from torch import nn
 from torch.nn.parameter import Parameter, UninitializedParameter
 
+from sglang.kernels.kernel_api_logging import wrap_method_with_debug_kernel_once
 from sglang.srt.distributed import (
     divide,
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-    get_tp_group,
     split_tensor_along_last_dim,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_model_parallel_quant_all_reduce,
 )
 from sglang.srt.distributed.device_communicators.pynccl_allocator import (
     use_symmetric_memory,
 )
+from sglang.srt.distributed.utils import get_group_rank_size
+from sglang.srt.environ import envs
+from sglang.srt.layers import layernorm_sp
 from sglang.srt.layers.dp_attention import (
-    get_attention_tp_group,
     is_allocation_symmetric,
 )
+from sglang.srt.layers.moe.utils import should_skip_mlp_all_reduce
 from sglang.srt.layers.parameter import (
     BasevLLMParameter,
     BlockQuantScaleParameter,
@@ -36,9 +41,11 @@ from sglang.srt.layers.parameter import (
     _ColumnvLLMParameter,
 )
 from sglang.srt.layers.utils import pad_or_narrow_weight
+from sglang.srt.runtime_context import get_exec, get_forward, get_parallel
 from sglang.srt.utils import get_bool_env_var, is_cpu, is_hip, is_npu, set_weight_attrs
 
 if TYPE_CHECKING:
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
     from sglang.srt.layers.quantization.base_config import (
         QuantizationConfig,
         QuantizeMethodBase,
@@ -51,26 +58,106 @@ _disable_hip_linear_quant = _is_hip and get_bool_env_var(
 
 logger = logging.getLogger(__name__)
 
+
+class ReplicatedParallelGroup(msgspec.Struct, frozen=True):
+    """Share weight partitions across consecutive ranks; collectives stay separate."""
+
+    group: Literal["tp", "attn_tp"]
+    replica_size: int
+
+    def __post_init__(self):
+        if self.group not in ("tp", "attn_tp"):
+            raise ValueError(f"Unknown replicated base group: {self.group!r}")
+        if type(self.replica_size) is not int or self.replica_size < 1:
+            raise ValueError("replica_size must be a positive integer")
+
+
+LinearParallelGroup = (
+    Literal["tp", "attn_tp", "replicated", "shared_experts_tp"]
+    | ReplicatedParallelGroup
+)
+
+
+def resolve_linear_parallel_group(
+    parallel_group: LinearParallelGroup,
+) -> Tuple[int, int]:
+    """Read a group's partition in the current construction scope."""
+    return get_group_rank_size(_resolve_linear_group(parallel_group))
+
+
+class _LogicalGroup(msgspec.Struct, frozen=True):
+    """Own a weight partition before distributed communication is initialized."""
+
+    rank_in_group: int
+    world_size: int
+
+
+class _ReplicatedGroup(msgspec.Struct, frozen=True):
+    group: GroupCoordinator | _LogicalGroup
+    replica_size: int
+
+    def __post_init__(self):
+        divide(self.group.world_size, self.replica_size)
+
+    @property
+    def rank_in_group(self):
+        return self.group.rank_in_group // self.replica_size
+
+    @property
+    def world_size(self):
+        return self.group.world_size // self.replica_size
+
+
+def _resolve_linear_group(
+    parallel_group: Optional[LinearParallelGroup],
+) -> GroupCoordinator | _LogicalGroup | _ReplicatedGroup | None:
+    if isinstance(parallel_group, ReplicatedParallelGroup):
+        group = _resolve_linear_group(parallel_group.group)
+        if group is None:
+            if parallel_group.replica_size != 1:
+                raise ValueError("Cannot replicate a size-one group")
+            return None
+        return _ReplicatedGroup(group, parallel_group.replica_size)
+    if parallel_group == "replicated":
+        return None
+    name = "tp" if parallel_group is None else parallel_group
+    if name not in ("tp", "attn_tp", "shared_experts_tp"):
+        raise ValueError(f"Unknown linear parallel_group: {parallel_group!r}")
+    parallel = get_parallel()
+    try:
+        group = getattr(parallel, f"{name}_group")
+    except RuntimeError:
+        group = None
+    if group is None:
+        if name == "shared_experts_tp":
+            raise ValueError(f"The {name} group must exist before construction")
+        size = getattr(parallel, f"{name}_size")
+        if size > 1:
+            return _LogicalGroup(getattr(parallel, f"{name}_rank"), size)
+    return group
+
+
 WEIGHT_LOADER_V2_SUPPORTED = [
     "CompressedTensorsLinearMethod",
-    "AWQMarlinLinearMethod",
     "AWQLinearMethod",
-    "AWQLinearAscendMethod",
     "GPTQMarlinLinearMethod",
     "Fp8LinearMethod",
     "BlockInt8LinearMethod",
-    "MarlinLinearMethod",
     "QQQLinearMethod",
     "GPTQMarlin24LinearMethod",
     "TPUInt8LinearMethod",
     "GPTQLinearMethod",
-    "FBGEMMFp8LinearMethod",
     "GPTQLinearAscendMethod",
+    "GPTQLinearIntelAMXMethod",
+    "GPTQMoEAscendMethod",
+    "GPTQMoEIntelAMXMethod",
     "ModelOptFp8LinearMethod",
     "ModelOptFp4LinearMethod",
     "IPEXAWQLinearMethod",
     "PetitNvFp4LinearMethod",
     "QuarkInt4Fp8LinearMethod",
+    "HummingLinearMethod",
+    "QuarkLinearMethod",
 ]
 
 _is_cpu = is_cpu()
@@ -149,6 +236,16 @@ class LinearBase(torch.nn.Module):
         quant_config: Quantization configure.
     """
 
+    # Set by quant methods that attach a per-layer scheme, eagerly in
+    # get_quant_method(), which runs before create_weights() picks the loader,
+    # or lazily inside create_weights() itself (GPTQ). The default is what lets
+    # callers probe with `is None`; a hasattr() probe answers "yes" once it
+    # exists. Schemes must stay plain objects -- nn.Module.__setattr__ files a
+    # Module value under self._modules, which this default then shadows on read.
+    # VocabParallelEmbedding and FusedMoE carry the same default.
+    scheme = None
+    tp_group: GroupCoordinator | _LogicalGroup | _ReplicatedGroup | None = None
+
     def __init__(
         self,
         input_size: int,
@@ -168,12 +265,22 @@ class LinearBase(torch.nn.Module):
             params_dtype = torch.get_default_dtype()
         self.params_dtype = params_dtype
         self.quant_config = quant_config
+        # A model sets this before weights load to ask for the DeepGEMM-packed
+        # MXFP8 input path; Fp8LinearMethod keeps it True only once prepared.
+        self.deepgemm_mxfp8_input = False
         if quant_config is None:
             from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
             self.quant_method: Optional[QuantizeMethodBase] = UnquantizedLinearMethod()
         else:
             self.quant_method = quant_config.get_quant_method(self, prefix=prefix)
+
+        if self.quant_method is not None:
+            wrap_method_with_debug_kernel_once(
+                self.quant_method,
+                "apply",
+                op_name=f"sglang.quant_method.{self.quant_method.__class__.__name__}.apply",
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -214,6 +321,7 @@ class ReplicatedLinear(LinearBase):
 
         # All the linear layer supports quant method.
         assert self.quant_method is not None
+        self.with_bias = bias
         self.quant_method.create_weights(
             self,
             self.input_size,
@@ -244,6 +352,14 @@ class ReplicatedLinear(LinearBase):
         if len(loaded_weight.shape) == 0:
             loaded_weight = loaded_weight.reshape(1)
 
+        is_gguf_weight = getattr(param, "is_gguf_weight", False)
+        is_gguf_weight_type = getattr(param, "is_gguf_weight_type", False)
+        if is_gguf_weight_type:
+            param.weight_type = loaded_weight.item()
+
+        if is_gguf_weight and isinstance(param, UninitializedParameter):
+            param.materialize(tuple(loaded_weight.shape), dtype=loaded_weight.dtype)
+
         # The per-tensor quant-scale must be 1 dimension
         if _is_npu:
             if param.size() != loaded_weight.size() and param.size(0) == 1:
@@ -253,11 +369,13 @@ class ReplicatedLinear(LinearBase):
                     raise ValueError(f"{loaded_weight} are not all equal")
 
             if param.dtype == torch.int8 or loaded_weight.dtype == torch.int8:
-                assert (
-                    param.dtype == loaded_weight.dtype
-                ), "init para dtype and loaded weight dtype should be the same"
+                assert param.dtype == loaded_weight.dtype, (
+                    "init para dtype and loaded weight dtype should be the same"
+                )
 
-        assert param.size() == loaded_weight.size()
+        assert param.size() == loaded_weight.size(), (
+            f"{param.shape=} {param.dtype=} {loaded_weight.shape=} {loaded_weight.dtype=}"
+        )
         param.data.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -294,6 +412,7 @@ class ColumnParallelLinear(LinearBase):
         quant_config: Quantization configure.
         output_sizes: list of output sizes packed into one output, like for QKV
                        the list would be size 3.
+        parallel_group: Select TP, attention TP, or an unsharded partition.
         prefix: The name of the layer in the state dict, including all parents
                         (e.g. model.layers.0.qkv_proj)
     """
@@ -309,24 +428,57 @@ class ColumnParallelLinear(LinearBase):
         quant_config: Optional[QuantizationConfig] = None,
         output_sizes: Optional[List[int]] = None,
         prefix: str = "",
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
+        *,
         use_presharded_weights: bool = False,
         skip_block_quant_check: bool = False,
+        parallel_group: Optional[LinearParallelGroup] = None,
     ):
+        self._initialize_partition(
+            input_size=input_size,
+            output_size=output_size,
+            bias=bias,
+            gather_output=gather_output,
+            skip_bias_add=skip_bias_add,
+            params_dtype=params_dtype,
+            quant_config=quant_config,
+            output_sizes=output_sizes,
+            prefix=prefix,
+            use_presharded_weights=use_presharded_weights,
+            skip_block_quant_check=skip_block_quant_check,
+            parallel_group=parallel_group,
+            tp_group=_resolve_linear_group(parallel_group),
+        )
+
+    def _initialize_partition(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        skip_bias_add: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        quant_config: Optional[QuantizationConfig] = None,
+        output_sizes: Optional[List[int]] = None,
+        prefix: str = "",
+        *,
+        tp_group: GroupCoordinator | _LogicalGroup | _ReplicatedGroup | None,
+        use_presharded_weights: bool = False,
+        skip_block_quant_check: bool = False,
+        parallel_group: Optional[LinearParallelGroup] = None,
+    ):
+        # Bind the selected group before quantization creates weight loaders.
+        self.tp_group = tp_group
+        self.parallel_group = parallel_group
+        _, tp_size = get_group_rank_size(tp_group)
         super().__init__(
             input_size, output_size, skip_bias_add, params_dtype, quant_config, prefix
         )
 
+        self.with_bias = bias
         self.gather_output = gather_output
         self.use_presharded_weights = use_presharded_weights
 
         # Divide the weight matrix along the last dimension.
-        if tp_rank is None:
-            tp_rank = get_tensor_model_parallel_rank()
-        if tp_size is None:
-            tp_size = get_tensor_model_parallel_world_size()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
         assert self.quant_method is not None
         self.output_size_per_partition = divide(self.output_size, tp_size)
         self.output_partition_sizes = [self.output_size_per_partition]
@@ -349,7 +501,13 @@ class ColumnParallelLinear(LinearBase):
             skip_block_quant_check=skip_block_quant_check,
             weight_loader=(
                 self.weight_loader_v2
-                if self.quant_method.__class__.__name__ in WEIGHT_LOADER_V2_SUPPORTED
+                if (
+                    self.quant_method.__class__.__name__ in WEIGHT_LOADER_V2_SUPPORTED
+                    or (
+                        self.scheme is not None
+                        and self.scheme.requires_weight_loader_v2
+                    )
+                )
                 else self.weight_loader
             ),
         )
@@ -378,15 +536,20 @@ class ColumnParallelLinear(LinearBase):
             param.weight_type = loaded_weight.item()
 
         # Materialize GGUF UninitializedParameter
+        tp_rank, tp_size = get_group_rank_size(self.tp_group)
         if is_gguf_weight and isinstance(param, UninitializedParameter):
-            param.materialize(loaded_weight.shape, dtype=loaded_weight.dtype)
+            weight_shape = list(loaded_weight.shape)
+            if output_dim is not None:
+                weight_shape[output_dim] = weight_shape[output_dim] // tp_size
+            param.materialize(tuple(weight_shape), dtype=loaded_weight.dtype)
+            param_data = param.data
 
         # bitsandbytes loads the weights of the specific portion
         # no need to narrow here
         use_bitsandbytes_4bit = getattr(param, "use_bitsandbytes_4bit", False)
         if output_dim is not None and not use_bitsandbytes_4bit:
             shard_size = param_data.shape[output_dim]
-            start_idx = self.tp_rank * shard_size
+            start_idx = tp_rank * shard_size
 
             if _is_cpu:
                 from sglang.srt.model_loader.weight_utils import (
@@ -413,7 +576,9 @@ class ColumnParallelLinear(LinearBase):
         if len(loaded_weight.shape) == 0:
             loaded_weight = loaded_weight.reshape(1)
 
-        assert param_data.shape == loaded_weight.shape
+        assert param_data.shape == loaded_weight.shape, (
+            f"param_data.shape={param_data.shape} != loaded_weight.shape={loaded_weight.shape}"
+        )
         param_data.copy_(loaded_weight)
 
     def weight_loader_v2(self, param: Parameter, loaded_weight: torch.Tensor):
@@ -423,10 +588,11 @@ class ColumnParallelLinear(LinearBase):
             assert loaded_weight.numel() == 1
             loaded_weight = loaded_weight.reshape(1)
 
+        tp_rank, _ = get_group_rank_size(self.tp_group)
         if isinstance(param, _ColumnvLLMParameter):
             param.load_column_parallel_weight(
                 loaded_weight,
-                tp_rank=self.tp_rank,
+                tp_rank=tp_rank,
                 use_presharded_weights=self.use_presharded_weights,
             )
         else:
@@ -436,7 +602,7 @@ class ColumnParallelLinear(LinearBase):
             try:
                 param.load_column_parallel_weight(
                     loaded_weight,
-                    tp_rank=self.tp_rank,
+                    tp_rank=tp_rank,
                     use_presharded_weights=self.use_presharded_weights,
                 )
             except TypeError:
@@ -446,12 +612,28 @@ class ColumnParallelLinear(LinearBase):
     def forward(self, input_):
         bias = self.bias if not self.skip_bias_add else None
 
+        # Megatron SP "g": the input is this rank's [M_pad/tp, K] sequence shard;
+        # all-gather to the full sequence and matmul. Participants (qkv/gate_up)
+        # have gather_output=False, so there is no output all-gather to reconcile.
+        _, tp_size = get_group_rank_size(self.tp_group)
+        if get_forward().sp_active and tp_size > 1:
+            output = layernorm_sp.column_parallel_g_matmul(self, input_, bias)
+            output_bias = self.bias if self.skip_bias_add else None
+            return output, output_bias
+
         # Matrix multiply.
         assert self.quant_method is not None
         output_parallel = self.quant_method.apply(self, input_, bias)
         if self.gather_output:
             # All-gather across the partitions.
-            output = tensor_model_parallel_all_gather(output_parallel)
+            if self.parallel_group == "replicated":
+                output = output_parallel
+            elif self.parallel_group == "attn_tp":
+                output = get_parallel().attn_tp_group.all_gather(output_parallel, -1)
+            elif self.parallel_group == "tp":
+                output = get_parallel().tp_group.all_gather(output_parallel, -1)
+            else:
+                output = tensor_model_parallel_all_gather(output_parallel)
         else:
             output = output_parallel
         output_bias = self.bias if self.skip_bias_add else None
@@ -461,7 +643,8 @@ class ColumnParallelLinear(LinearBase):
         s = f"in_features={self.input_size}"
         s += f", output_features={self.output_size_per_partition}"
         s += f", bias={self.bias is not None}"
-        s += f", tp_size={self.tp_size}"
+        _, tp_size = get_group_rank_size(self.tp_group)
+        s += f", tp_size={tp_size}"
         s += f", gather_output={self.gather_output}"
         return s
 
@@ -499,19 +682,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         params_dtype: Optional[torch.dtype] = None,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
+        *,
         use_presharded_weights: bool = False,
+        parallel_group: Optional[LinearParallelGroup] = None,
     ):
+        self.with_bias = bias
         self.output_sizes = output_sizes
-        if tp_rank is None:
-            tp_rank = get_tensor_model_parallel_rank()
-        if tp_size is None:
-            tp_size = get_tensor_model_parallel_world_size()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        tp_group = _resolve_linear_group(parallel_group)
+        _, tp_size = get_group_rank_size(tp_group)
         assert all(output_size % tp_size == 0 for output_size in output_sizes)
         self.use_presharded_weights = use_presharded_weights
-        super().__init__(
+        super()._initialize_partition(
             input_size=input_size,
             output_size=sum(output_sizes),
             bias=bias,
@@ -520,8 +701,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             params_dtype=params_dtype,
             quant_config=quant_config,
             prefix=prefix,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp_group=tp_group,
+            parallel_group=parallel_group,
             use_presharded_weights=use_presharded_weights,
         )
         self.prefix = prefix
@@ -530,8 +711,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self,
         param: Parameter,
         loaded_weight: torch.Tensor,
-        loaded_shard_id: Optional[int] = None,
+        loaded_shard_id: tuple[int, ...] | int | None = None,
     ):
+        if isinstance(loaded_shard_id, tuple):
+            if hasattr(param, "load_merged_column_weight"):
+                return self.weight_loader_v2(param, loaded_weight, loaded_shard_id)
+            raise NotImplementedError(
+                "Shard id with multiple indices is not supported in weight_loader, "
+                "please use weight_loader_v2 instead."
+            )
 
         # Special case for GGUF
         # initialize GGUF param after we know the quantize type
@@ -542,10 +730,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             param.shard_weight_type[loaded_shard_id] = loaded_weight.item()
             return
 
+        tp_rank, tp_size = get_group_rank_size(self.tp_group)
         if is_gguf_weight:
             output_dim = getattr(param, "output_dim", None)
-            shard_size = loaded_weight.size(output_dim) // self.tp_size
-            start_idx = self.tp_rank * shard_size
+            shard_size = loaded_weight.size(output_dim) // tp_size
+            start_idx = tp_rank * shard_size
 
             loaded_weight = loaded_weight.narrow(output_dim, start_idx, shard_size)
 
@@ -562,7 +751,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         needs_scalar_to_array = getattr(param, "needs_scalar_to_array", False)
 
         if loaded_shard_id is None:
-            # Loaded weight is already fused on disk (qkv/mlp).
+            # Loaded weight is already fused-in-checkpoint (qkv/mlp).
             if output_dim is None:
                 if needs_scalar_to_array:
                     param_data, loaded_weight = adjust_scalar_to_fused_array(
@@ -575,8 +764,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             current_shard_offset = 0
             shard_offsets: List[Tuple[int, int, int]] = []
             for i, output_size in enumerate(self.output_sizes):
-                shard_offsets.append((i, current_shard_offset, output_size))
-                current_shard_offset += output_size
+                effective_size = (
+                    output_size // tp_size
+                    if self.use_presharded_weights
+                    else output_size
+                )
+                shard_offsets.append((i, current_shard_offset, effective_size))
+                current_shard_offset += effective_size
             packed_dim = getattr(param, "packed_dim", None)
 
             use_bitsandbytes_4bit = getattr(param, "use_bitsandbytes_4bit", False)
@@ -590,8 +784,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 # If quantized, we need to adjust the offset and size to account
                 # for the packing.
                 if packed_dim == output_dim:
-                    shard_size = shard_size // param.pack_factor
-                    shard_offset = shard_offset // param.pack_factor
+                    shard_size = round(shard_size // param.pack_factor)
+                    shard_offset = round(shard_offset // param.pack_factor)
                     # Special case for Marlin.
                     shard_size, shard_offset = adjust_marlin_shard(
                         param, shard_size, shard_offset
@@ -616,15 +810,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
         assert loaded_shard_id < len(self.output_sizes)
         if output_dim is not None:
-            shard_offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
-            shard_size = self.output_sizes[loaded_shard_id] // self.tp_size
+            shard_offset = sum(self.output_sizes[:loaded_shard_id]) // tp_size
+            shard_size = self.output_sizes[loaded_shard_id] // tp_size
             # Special case for quantization.
             # If quantized, we need to adjust the offset and size to account
             # for the packing.
             packed_dim = getattr(param, "packed_dim", None)
             if packed_dim == output_dim:
-                shard_size = shard_size // param.pack_factor
-                shard_offset = shard_offset // param.pack_factor
+                shard_size = round(shard_size // param.pack_factor)
+                shard_offset = round(shard_offset // param.pack_factor)
                 # Special case for Marlin.
                 shard_size, shard_offset = adjust_marlin_shard(
                     param, shard_size, shard_offset
@@ -635,8 +829,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 shard_size = loaded_weight.shape[output_dim]
                 shard_offset = loaded_weight.shape[output_dim] * loaded_shard_id
 
+            # Needed for experimental ModelSlim W4A4 int4x2 packing support
+            # TODO: remove env variable once new packing is fully released
+            if envs.SGLANG_NPU_W4A4_NEW_PACKING.get():
+                pack_factor = getattr(param, "pack_factor", None)
+                if pack_factor is not None:
+                    shard_size = shard_size // pack_factor
+                    shard_offset = shard_offset // pack_factor
+
             param_data = param_data.narrow(output_dim, shard_offset, shard_size)
-            start_idx = self.tp_rank * shard_size
+            start_idx = tp_rank * shard_size
 
             if _is_cpu:
                 from sglang.srt.model_loader.weight_utils import (
@@ -693,12 +895,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         param_data.copy_(loaded_weight)
 
     def _load_fused_module_from_checkpoint(
-        self, param: BasevLLMParameter, loaded_weight: torch.Tensor
+        self,
+        param: BasevLLMParameter,
+        loaded_weight: torch.Tensor,
+        output_sizes: list[int] | None = None,
     ):
         """
         Handle special case for models where MLP layers are already
-        fused on disk. In this case, we have no shard id. This function
-        determmines the shard id by splitting these layers and then calls
+        fused-in-checkpoint. In this case, we have no shard id. This function
+        determines the shard id by splitting these layers and then calls
         the weight loader using the shard id.
 
         An example of a model with these fused layers:
@@ -707,9 +912,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
         current_shard_offset = 0
         shard_offsets: List[Tuple[int, int, int]] = []
-        for i, output_size in enumerate(self.output_sizes):
+        output_sizes = output_sizes or self.output_sizes
+        for i, output_size in enumerate(output_sizes):
             shard_offsets.append((i, current_shard_offset, output_size))
             current_shard_offset += output_size
+        if _is_cpu:
+            from sglang.srt.model_loader.weight_utils import (
+                pad_loaded_weight,
+            )
+
+            loaded_weight = pad_loaded_weight(
+                loaded_weight, param.output_dim, output_sizes
+            )
 
         for shard_id, shard_offset, shard_size in shard_offsets:
             # Special case for Quantization.
@@ -722,7 +936,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 shard_size, shard_offset = param.adjust_shard_indexes_for_packing(
                     shard_size=shard_size, shard_offset=shard_offset
                 )
-
             loaded_weight_shard = loaded_weight.narrow(
                 param.output_dim, shard_offset, shard_size
             )
@@ -749,7 +962,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             shard_block_offsets.append(current_block_offset)
             current_block_offset += shard_block_size
 
+        if _is_cpu:
+            from sglang.srt.model_loader.weight_utils import (
+                pad_loaded_weight,
+            )
+
+            loaded_weight = pad_loaded_weight(
+                loaded_weight, param.output_dim, shard_block_sizes
+            )
+
         # Load each shard
+        tp_rank, tp_size = get_group_rank_size(self.tp_group)
         for shard_id, (shard_block_offset, shard_block_size) in enumerate(
             zip(shard_block_offsets, shard_block_sizes)
         ):
@@ -759,8 +982,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             )
 
             # Calculate per-rank offset and size (considering TP)
-            rank_shard_offset = shard_block_offset // self.tp_size
-            rank_shard_size = shard_block_size // self.tp_size
+            rank_shard_offset = shard_block_offset // tp_size
+            rank_shard_size = shard_block_size // tp_size
 
             # Load into the parameter
             param.load_merged_column_weight(
@@ -768,8 +991,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 shard_id=shard_id,
                 shard_offset=rank_shard_offset,
                 shard_size=rank_shard_size,
-                tp_rank=self.tp_rank,
-                tp_size=self.tp_size,
+                tp_rank=tp_rank,
                 use_presharded_weights=self.use_presharded_weights,
             )
 
@@ -777,16 +999,32 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self,
         param: BasevLLMParameter,
         loaded_weight: torch.Tensor,
-        loaded_shard_id: Optional[int] = None,
+        loaded_shard_id: tuple[int, ...] | int | None = None,
     ):
-        if loaded_shard_id is None:
+        tp_rank, tp_size = get_group_rank_size(self.tp_group)
+        if loaded_shard_id is None or isinstance(loaded_shard_id, tuple):
             if isinstance(param, PerTensorScaleParameter):
-                param.load_merged_column_weight(
-                    loaded_weight=loaded_weight,
-                    shard_id=0,
-                    tp_rank=self.tp_rank,
-                    tp_size=self.tp_size,
-                )
+                if loaded_weight.numel() != 1:
+                    raise ValueError(
+                        "Expected scalar scale for fused-in-checkpoint "
+                        "merged-column checkpoint load, got shape "
+                        f"{tuple(loaded_weight.shape)}"
+                    )
+                if loaded_shard_id is None:
+                    # The checkpoint tensor is already fused-in-checkpoint, so a
+                    # scalar scale applies to the entire merged matrix. Fill
+                    # every logical slot so later reductions only see valid
+                    # scale values.
+                    shard_ids = range(param.data.shape[0])
+                else:
+                    shard_ids = loaded_shard_id
+
+                for shard_id in shard_ids:
+                    param.load_merged_column_weight(
+                        loaded_weight=loaded_weight,
+                        shard_id=shard_id,
+                        tp_rank=tp_rank,
+                    )
                 return
             elif isinstance(param, BlockQuantScaleParameter):
                 self._load_merged_block_scale(param, loaded_weight)
@@ -794,12 +1032,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             elif type(param) in (RowvLLMParameter, BasevLLMParameter):
                 param.load_merged_column_weight(
                     loaded_weight=loaded_weight,
-                    tp_rank=self.tp_rank,
-                    tp_size=self.tp_size,
+                    tp_rank=tp_rank,
                 )
                 return
+            output_sizes = (
+                [self.output_sizes[idx] for idx in loaded_shard_id]
+                if loaded_shard_id
+                else None
+            )
             # TODO: @dsikka - move to parameter.py
-            self._load_fused_module_from_checkpoint(param, loaded_weight)
+            self._load_fused_module_from_checkpoint(
+                param, loaded_weight, output_sizes=output_sizes
+            )
             return
 
         assert loaded_shard_id < len(self.output_sizes)
@@ -810,15 +1054,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             block_n = 1 if getattr(param, "format_ue8m0", False) else raw_block_n
             shard_offset = (
                 (sum(self.output_sizes[:loaded_shard_id]) + block_n - 1) // block_n
-            ) // self.tp_size
+            ) // tp_size
             shard_size = (
-                (self.output_sizes[loaded_shard_id] + block_n - 1)
-                // block_n
-                // self.tp_size
+                (self.output_sizes[loaded_shard_id] + block_n - 1) // block_n // tp_size
             )
         else:
-            shard_offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
-            shard_size = self.output_sizes[loaded_shard_id] // self.tp_size
+            shard_offset = sum(self.output_sizes[:loaded_shard_id]) // tp_size
+            shard_size = self.output_sizes[loaded_shard_id] // tp_size
 
         param.load_merged_column_weight(
             loaded_weight=loaded_weight,
@@ -826,8 +1068,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             shard_offset=shard_offset,
             shard_size=shard_size,
             use_presharded_weights=self.use_presharded_weights,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
+            tp_rank=tp_rank,
         )
 
 
@@ -842,6 +1083,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     be replicated while the query heads are partitioned.
 
     Args:
+        parallel_group: Group selecting the query weight partition.
+        kv_parallel_group: Optional independent key/value weight partition;
+            defaults to the query partition, including replicated head layouts.
         hidden_size: input hidden state size of the transformer.
         head_size: size of each attention head.
         total_num_heads: total number of attention query heads.
@@ -868,12 +1112,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         params_dtype: Optional[torch.dtype] = None,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
+        *,
         load_presharded_attn: bool = False,
         v_head_size: Optional[int] = None,
         skip_block_quant_check: bool = False,
+        parallel_group: Optional[LinearParallelGroup] = None,
+        kv_parallel_group: Optional[LinearParallelGroup] = None,
     ):
+        self.with_bias = bias
         self.hidden_size = hidden_size
         self.head_size = head_size
         self.v_head_size = v_head_size if v_head_size is not None else head_size
@@ -882,17 +1128,20 @@ class QKVParallelLinear(ColumnParallelLinear):
             total_num_kv_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
         # Divide the weight matrix along the last dimension.
-        if tp_rank is None:
-            tp_rank = get_tensor_model_parallel_rank()
-        if tp_size is None:
-            tp_size = get_tensor_model_parallel_world_size()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        tp_group = _resolve_linear_group(parallel_group)
+        _, tp_size = get_group_rank_size(tp_group)
+        kv_tp_group = (
+            _resolve_linear_group(kv_parallel_group)
+            if kv_parallel_group is not None
+            else tp_group
+        )
+        _, kv_tp_size = get_group_rank_size(kv_tp_group)
         self.num_heads = divide(self.total_num_heads, tp_size)
-        if tp_size >= self.total_num_kv_heads:
+        if kv_tp_size >= self.total_num_kv_heads:
             self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(tp_size, self.total_num_kv_heads)
+            self.num_kv_head_replicas = divide(kv_tp_size, self.total_num_kv_heads)
         else:
-            self.num_kv_heads = divide(self.total_num_kv_heads, tp_size)
+            self.num_kv_heads = divide(self.total_num_kv_heads, kv_tp_size)
             self.num_kv_head_replicas = 1
         self.q_proj_shard_size = self.num_heads * self.head_size
         self.kv_proj_shard_size = self.num_kv_heads * self.head_size
@@ -911,7 +1160,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.use_presharded_weights = load_presharded_attn
         quant_config = None if _disable_hip_linear_quant else quant_config
 
-        super().__init__(
+        self.kv_tp_group = kv_tp_group
+        super()._initialize_partition(
             input_size=input_size,
             output_size=output_size,
             bias=bias,
@@ -920,8 +1170,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             params_dtype=params_dtype,
             quant_config=quant_config,
             prefix=prefix,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp_group=tp_group,
+            parallel_group=parallel_group,
             use_presharded_weights=self.use_presharded_weights,
             skip_block_quant_check=skip_block_quant_check,
         )
@@ -949,8 +1199,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     ):
         """
         Handle special case for models where QKV layers are already
-        fused on disk. In this case, we have no shard id. This function
-        determmines the shard id by splitting these layers and then calls
+        fused-in-checkpoint. In this case, we have no shard id. This function
+        determines the shard id by splitting these layers and then calls
         the weight loader using the shard id.
 
         An example of a model with these fused layers:
@@ -995,13 +1245,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         block_n, _ = self.quant_method.quant_config.weight_block_size
         q_size = self.total_num_heads * self.head_size // block_n
         k_size = self.total_num_kv_heads * self.head_size // block_n
-        v_size = self.total_num_kv_heads * self.head_size // block_n
+        v_size = self.total_num_kv_heads * self.v_head_size // block_n
         shard_offsets = [
             # (shard_id, shard_offset, shard_size)
             ("q", 0, q_size),
             ("k", q_size, k_size),
             ("v", q_size + k_size, v_size),
         ]
+        kv_tp_rank, _ = get_group_rank_size(self.kv_tp_group)
+        tp_rank, _ = get_group_rank_size(self.tp_group)
         for shard_id, shard_offset, shard_size in shard_offsets:
             loaded_weight_shard = loaded_weight.narrow(
                 param.output_dim, shard_offset, shard_size
@@ -1014,7 +1266,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                 shard_id=shard_id,
                 shard_offset=rank_shard_offset,
                 shard_size=rank_shard_size,
-                tp_rank=self.tp_rank,
+                tp_rank=(tp_rank if shard_id == "q" else kv_tp_rank),
                 use_presharded_weights=self.use_presharded_weights,
             )
 
@@ -1026,7 +1278,19 @@ class QKVParallelLinear(ColumnParallelLinear):
     ):
         if loaded_shard_id is None:  # special case for certain models
             if isinstance(param, PerTensorScaleParameter):
-                param.load_qkv_weight(loaded_weight=loaded_weight, shard_id=0)
+                # The checkpoint tensor is already fused-in-checkpoint, so a scalar
+                # scale applies to the entire QKV matrix. Fill every logical
+                # slot so later reductions only see valid scale values.
+                if loaded_weight.numel() != 1:
+                    raise ValueError(
+                        "Expected scalar scale for fused-in-checkpoint QKV "
+                        "checkpoint load when loaded_shard_id is None, got "
+                        f"shape {tuple(loaded_weight.shape)}"
+                    )
+                for shard_id in param.qkv_idxs:
+                    param.load_qkv_weight(
+                        loaded_weight=loaded_weight, shard_id=shard_id
+                    )
                 return
             elif type(param) in (RowvLLMParameter, BasevLLMParameter):
                 param.load_qkv_weight(loaded_weight=loaded_weight)
@@ -1050,13 +1314,15 @@ class QKVParallelLinear(ColumnParallelLinear):
             shard_offset = (shard_offset + block_n - 1) // block_n
             shard_size = (shard_size + block_n - 1) // block_n
 
+        kv_tp_rank, _ = get_group_rank_size(self.kv_tp_group)
+        tp_rank, _ = get_group_rank_size(self.tp_group)
         param.load_qkv_weight(
             loaded_weight=loaded_weight,
             num_heads=self.num_kv_head_replicas,
             shard_id=loaded_shard_id,
             shard_offset=shard_offset,
             shard_size=shard_size,
-            tp_rank=self.tp_rank,
+            tp_rank=(tp_rank if loaded_shard_id == "q" else kv_tp_rank),
             use_presharded_weights=self.use_presharded_weights,
         )
 
@@ -1077,10 +1343,17 @@ class QKVParallelLinear(ColumnParallelLinear):
             param.shard_weight_type[loaded_shard_id] = loaded_weight.item()
             return
 
+        kv_tp_rank, kv_tp_size = get_group_rank_size(self.kv_tp_group)
+        tp_rank, tp_size = get_group_rank_size(self.tp_group)
         if is_gguf_weight:
             output_dim = getattr(param, "output_dim", None)
-            shard_size = loaded_weight.size(output_dim) // self.tp_size
-            start_idx = self.tp_rank * shard_size
+            shard_tp_rank, shard_tp_size = (
+                (kv_tp_rank, kv_tp_size)
+                if loaded_shard_id in ("k", "v")
+                else (tp_rank, tp_size)
+            )
+            shard_size = loaded_weight.size(output_dim) // shard_tp_size
+            start_idx = shard_tp_rank * shard_size
 
             loaded_weight = loaded_weight.narrow(output_dim, start_idx, shard_size)
 
@@ -1098,7 +1371,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         needs_scalar_to_array = getattr(param, "needs_scalar_to_array", False)
 
         if loaded_shard_id is None:
-            # Loaded weight is already fused on disk (qkv/mlp).
+            # Loaded weight is already fused-in-checkpoint (qkv/mlp).
             if output_dim is None:
                 if needs_scalar_to_array:
                     param_data, loaded_weight = adjust_scalar_to_fused_array(
@@ -1135,8 +1408,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                 # If quantized, we need to adjust the offset and size to account
                 # for the packing.
                 if packed_dim == output_dim:
-                    shard_size = shard_size // param.pack_factor
-                    shard_offset = shard_offset // param.pack_factor
+                    shard_size = round(shard_size // param.pack_factor)
+                    shard_offset = round(shard_offset // param.pack_factor)
 
                     # Special case for Marlin.
                     shard_size, shard_offset = adjust_marlin_shard(
@@ -1192,8 +1465,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             # for the packing.
             packed_dim = getattr(param, "packed_dim", None)
             if packed_dim == output_dim:
-                shard_size = shard_size // param.pack_factor
-                shard_offset = shard_offset // param.pack_factor
+                shard_size = round(shard_size // param.pack_factor)
+                shard_offset = round(shard_offset // param.pack_factor)
 
                 # Special case for Marlin.
                 shard_size, shard_offset = adjust_marlin_shard(
@@ -1224,9 +1497,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
             param_data = param_data.narrow(output_dim, shard_offset, shard_size)
             if loaded_shard_id == "q":
-                shard_id = self.tp_rank
+                shard_id = tp_rank
             else:
-                shard_id = self.tp_rank // self.num_kv_head_replicas
+                shard_id = kv_tp_rank // self.num_kv_head_replicas
             start_idx = shard_id * shard_size
 
             if _is_cpu:
@@ -1251,7 +1524,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                         output_dim, start_idx, shard_size
                     )
 
-        # Special case for for AQLM codebooks.
+        # Special case for AQLM codebooks.
         elif is_metadata:
             # metadata indicates fixed size concatenated along dim 0
             shard_size = loaded_weight.shape[0]
@@ -1271,9 +1544,9 @@ class QKVParallelLinear(ColumnParallelLinear):
                     "for all partitions."
                 )
 
-        assert (
-            param_data.shape == loaded_weight.shape
-        ), f"{param_data.shape=} {loaded_weight.shape=}"
+        assert param_data.shape == loaded_weight.shape, (
+            f"{param_data.shape=} {loaded_weight.shape=}"
+        )
         param_data.copy_(loaded_weight)
 
 
@@ -1301,6 +1574,8 @@ class RowParallelLinear(LinearBase):
                        We skip adding bias but instead return it.
         params_dtype: Data type for the parameters.
         quant_config: Quantization configure.
+        parallel_group: Select TP, attention TP, or an unsharded weight partition.
+                        Reduction and allocation policies remain independent.
     """
 
     def __init__(
@@ -1314,29 +1589,30 @@ class RowParallelLinear(LinearBase):
         reduce_results: bool = True,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
+        *,
         use_presharded_weights: bool = False,
         use_dp_attention_reduce: bool = False,
+        parallel_group: Optional[LinearParallelGroup] = None,
     ):
+        self.tp_group = _resolve_linear_group(parallel_group)
+        self.parallel_group = parallel_group
         quant_config = None if _disable_hip_linear_quant else quant_config
         super().__init__(
             input_size, output_size, skip_bias_add, params_dtype, quant_config, prefix
         )
 
+        self.with_bias = bias
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.use_dp_attention_reduce = use_dp_attention_reduce
 
         # Divide the weight matrix along the last dimension.
-        if tp_rank is None:
-            tp_rank = get_tensor_model_parallel_rank()
-        if tp_size is None:
-            tp_size = get_tensor_model_parallel_world_size()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.input_size_per_partition = divide(input_size, self.tp_size)
+        _, tp_size = get_group_rank_size(self.tp_group)
+        self.input_size_per_partition = divide(input_size, tp_size)
         assert self.quant_method is not None
         self.use_presharded_weights = use_presharded_weights
+        # Flag set by CpDecodeAttnTpContext to enable all_reduce during decode.
+        self.use_decode_attn_tp: bool = False
 
         self.quant_method.create_weights(
             layer=self,
@@ -1347,7 +1623,13 @@ class RowParallelLinear(LinearBase):
             params_dtype=self.params_dtype,
             weight_loader=(
                 self.weight_loader_v2
-                if self.quant_method.__class__.__name__ in WEIGHT_LOADER_V2_SUPPORTED
+                if (
+                    self.quant_method.__class__.__name__ in WEIGHT_LOADER_V2_SUPPORTED
+                    or (
+                        self.scheme is not None
+                        and self.scheme.requires_weight_loader_v2
+                    )
+                )
                 else self.weight_loader
             ),
         )
@@ -1375,10 +1657,11 @@ class RowParallelLinear(LinearBase):
             param.weight_type = loaded_weight.item()
 
         # Materialize GGUF UninitializedParameter
+        tp_rank, tp_size = get_group_rank_size(self.tp_group)
         if is_gguf_weight and isinstance(param, UninitializedParameter):
             weight_shape = list(loaded_weight.shape)
             if input_dim:
-                weight_shape[input_dim] = weight_shape[input_dim] // self.tp_size
+                weight_shape[input_dim] = weight_shape[input_dim] // tp_size
             param.materialize(tuple(weight_shape), dtype=loaded_weight.dtype)
 
         param_data = param.data
@@ -1390,7 +1673,7 @@ class RowParallelLinear(LinearBase):
             and not self.use_presharded_weights
         ):
             shard_size = param_data.shape[input_dim]
-            start_idx = self.tp_rank * shard_size
+            start_idx = tp_rank * shard_size
 
             if _is_cpu:
                 from sglang.srt.model_loader.weight_utils import (
@@ -1422,9 +1705,9 @@ class RowParallelLinear(LinearBase):
         if len(loaded_weight.shape) == 0:
             loaded_weight = loaded_weight.reshape(1)
 
-        assert (
-            param_data.shape == loaded_weight.shape
-        ), f"{param_data.shape=} {loaded_weight.shape=}"
+        assert param_data.shape == loaded_weight.shape, (
+            f"{param_data.shape=} {loaded_weight.shape=}"
+        )
         param_data.copy_(loaded_weight)
 
     def weight_loader_v2(self, param: BasevLLMParameter, loaded_weight: torch.Tensor):
@@ -1435,12 +1718,13 @@ class RowParallelLinear(LinearBase):
             assert loaded_weight.numel() == 1
             loaded_weight = loaded_weight.reshape(1)
 
+        tp_rank, _ = get_group_rank_size(self.tp_group)
         if isinstance(param, RowvLLMParameter):
             # This `BasevLLMParameter` is defined in sglang/srt/layers/parameter.py,
             # It supports additional parameters like tp_rank and use_presharded_weights.
             param.load_row_parallel_weight(
                 loaded_weight,
-                tp_rank=self.tp_rank,
+                tp_rank=tp_rank,
                 use_presharded_weights=self.use_presharded_weights,
             )
         else:
@@ -1450,37 +1734,94 @@ class RowParallelLinear(LinearBase):
             try:
                 param.load_row_parallel_weight(
                     loaded_weight,
-                    tp_rank=self.tp_rank,
+                    tp_rank=tp_rank,
                     use_presharded_weights=self.use_presharded_weights,
                 )
             except TypeError:
                 # Fallback for parameters that don't accept additional args
                 param.load_row_parallel_weight(loaded_weight)
 
-    def forward(self, input_, skip_all_reduce=False):
+    def forward(
+        self,
+        input_,
+        skip_all_reduce=False,
+        forward_batch=None,
+        output_tensor=None,
+    ):
+        tp_rank, tp_size = get_group_rank_size(self.tp_group)
         if self.input_is_parallel:
             input_parallel = input_
         else:
-            splitted_input = split_tensor_along_last_dim(
-                input_, num_partitions=self.tp_size
-            )
-            input_parallel = splitted_input[self.tp_rank].contiguous()
+            splitted_input = split_tensor_along_last_dim(input_, num_partitions=tp_size)
+            input_parallel = splitted_input[tp_rank].contiguous()
 
         # Matrix multiply.
         assert self.quant_method is not None
         # Only fuse bias add into GEMM for rank 0 (this ensures that
         # bias will not get added more than once in TP>1 case)
-        bias_ = None if (self.tp_rank > 0 or self.skip_bias_add) else self.bias
-        with use_symmetric_memory(
-            get_tp_group(), disabled=not is_allocation_symmetric()
-        ):
-            output_parallel = self.quant_method.apply(self, input_parallel, bias=bias_)
+        bias_ = None if (tp_rank > 0 or self.skip_bias_add) else self.bias
 
-        if self.reduce_results and self.tp_size > 1 and not skip_all_reduce:
-            if self.use_dp_attention_reduce:
-                output = get_attention_tp_group().all_reduce(output_parallel)
+        # Megatron SP "g-bar": reduce-scatter along the token dim instead of
+        # all-reduce, leaving the output sharded for the next SP LayerNorm region.
+        # Fires regardless of reduce_results: o_proj / down are built
+        # reduce_results=False, so under SP the linear owns the reduction.
+        if (
+            get_forward().sp_active
+            and tp_size > 1
+            and not skip_all_reduce
+            and output_tensor is None
+        ):
+            output = layernorm_sp.row_parallel_gbar_matmul(self, input_parallel, bias_)
+            output_bias = self.bias if self.skip_bias_add else None
+            return output, output_bias
+
+        if self.use_dp_attention_reduce:
+            symm_ctx = use_symmetric_memory(get_parallel().attn_tp_group)
+        else:
+            symm_ctx = use_symmetric_memory(
+                get_parallel().tp_group, disabled=not is_allocation_symmetric()
+            )
+        with symm_ctx:
+            if output_tensor is None:
+                output_parallel = self.quant_method.apply(
+                    self, input_parallel, bias=bias_
+                )
             else:
-                output = tensor_model_parallel_all_reduce(output_parallel)
+                apply_into = getattr(self.quant_method, "apply_into", None)
+                if apply_into is None:
+                    raise RuntimeError(
+                        f"{type(self.quant_method).__name__} cannot write into "
+                        "caller-owned linear output"
+                    )
+                output_parallel = apply_into(
+                    self, input_parallel, output_tensor, bias=bias_
+                )
+
+        # skip_all_reduce: explicit call-site override. Also honor the
+        # mlp_reduce_scatter ForwardFlag published by the decoder — callers
+        # should not thread it into modules.
+        if (
+            ((self.reduce_results and tp_size > 1) or self.use_decode_attn_tp)
+            and not skip_all_reduce
+            and not should_skip_mlp_all_reduce()
+        ):
+            if self.use_dp_attention_reduce:
+                output = get_parallel().attn_tp_group.all_reduce(output_parallel)
+            else:
+                quantize_communications = (
+                    (
+                        not forward_batch.forward_mode.is_decode_or_idle()
+                        and get_exec().comm.enable_quant_communications
+                    )
+                    if forward_batch is not None
+                    else False
+                )
+                if quantize_communications:
+                    output = tensor_model_parallel_quant_all_reduce(output_parallel)
+                elif self.parallel_group == "tp":
+                    output = get_parallel().tp_group.all_reduce(output_parallel)
+                else:
+                    output = tensor_model_parallel_all_reduce(output_parallel)
         else:
             output = output_parallel
 
@@ -1492,7 +1833,8 @@ class RowParallelLinear(LinearBase):
         s = f"input_features={self.input_size_per_partition}"
         s += f", output_features={self.output_size}"
         s += f", bias={self.bias is not None}"
-        s += f", tp_size={self.tp_size}"
+        _, tp_size = get_group_rank_size(self.tp_group)
+        s += f", tp_size={tp_size}"
         s += f", reduce_results={self.reduce_results}"
         return s
 
@@ -1508,6 +1850,8 @@ class MergedColumnParallelRepeatedLinear(LinearBase):
         skip_bias_add: If true, skip adding bias but instead return it.
         params_dtype: Data type for the parameters.
         quant_config: Quantization configure.
+        parallel_group: Select TP, attention TP, or an unsharded partition for
+            the column-parallel part. Repeated weights remain unsharded.
     """
 
     def __init__(
@@ -1519,7 +1863,11 @@ class MergedColumnParallelRepeatedLinear(LinearBase):
         params_dtype: Optional[torch.dtype] = None,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
+        *,
+        parallel_group: Optional[LinearParallelGroup] = None,
     ):
+        self.tp_group = _resolve_linear_group(parallel_group)
+        self.parallel_group = parallel_group
         output_size = sum(column_output_sizes) + sum(repeated_output_sizes)
         super().__init__(
             input_size=input_size,
@@ -1530,11 +1878,10 @@ class MergedColumnParallelRepeatedLinear(LinearBase):
             prefix=prefix,
         )
         self.num_column_parallel = len(column_output_sizes)
-        self.tp_rank = get_tensor_model_parallel_rank()
-        self.tp_size = get_tensor_model_parallel_world_size()
 
+        _, tp_size = get_group_rank_size(self.tp_group)
         self.output_partition_sizes = [
-            divide(x, self.tp_size) for x in column_output_sizes
+            divide(x, tp_size) for x in column_output_sizes
         ] + repeated_output_sizes
         self.quant_method.create_weights(
             layer=self,
@@ -1560,8 +1907,9 @@ class MergedColumnParallelRepeatedLinear(LinearBase):
         shard_size = self.output_partition_sizes[loaded_shard_id]
         param_data = param.data.narrow(output_dim, shard_offset, shard_size)
 
+        tp_rank, _ = get_group_rank_size(self.tp_group)
         if loaded_shard_id < self.num_column_parallel:
-            start_idx = self.tp_rank * shard_size
+            start_idx = tp_rank * shard_size
             loaded_weight = loaded_weight.narrow(output_dim, start_idx, shard_size)
 
         param_data.copy_(loaded_weight)
@@ -1576,16 +1924,24 @@ class ColumnParallelBatchedLinear(nn.Module):
         input_size: input dimension of the linear layer.
         output_size: output dimension of the linear layer.
         dtype: Data type for the parameters.
+        parallel_group: Select TP, attention TP, or an unsharded partition for
+            the output dimension. The batch dimension remains unsharded.
     """
 
     def __init__(
-        self, batch: int, input_size: int, output_size: int, dtype: torch.dtype
+        self,
+        batch: int,
+        input_size: int,
+        output_size: int,
+        dtype: torch.dtype,
+        *,
+        parallel_group: Optional[LinearParallelGroup] = None,
     ):
         super().__init__()
-        self.tp_rank = get_tensor_model_parallel_rank()
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_group = _resolve_linear_group(parallel_group)
+        _, tp_size = get_group_rank_size(self.tp_group)
         self.weight = nn.Parameter(
-            torch.empty(batch, output_size // self.tp_size, input_size, dtype=dtype),
+            torch.empty(batch, output_size // tp_size, input_size, dtype=dtype),
             requires_grad=False,
         )
         setattr(self.weight, "weight_loader", self.weight_loader)
@@ -1597,6 +1953,7 @@ class ColumnParallelBatchedLinear(nn.Module):
         self, param: Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int
     ) -> torch.Tensor:
         shard_size = self.weight.shape[-2]
-        start_idx = self.tp_rank * shard_size
+        tp_rank, _ = get_group_rank_size(self.tp_group)
+        start_idx = tp_rank * shard_size
         loaded_weight = loaded_weight.narrow(0, start_idx, shard_size)
         param.data[loaded_shard_id].copy_(loaded_weight)

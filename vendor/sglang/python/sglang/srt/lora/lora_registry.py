@@ -15,16 +15,17 @@
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Union
-from uuid import uuid4
+from uuid import NAMESPACE_URL, uuid4, uuid5
+
+import msgspec
+from msgspec.structs import fields
 
 from sglang.srt.utils import ConcurrentCounter
 from sglang.srt.utils.aio_rwlock import RWLock
 
 
-@dataclass(frozen=True)
-class LoRARef:
+class LoRARef(msgspec.Struct, frozen=True, array_like=True):
     """
     Reference record for a LoRA model.
 
@@ -33,7 +34,7 @@ class LoRARef:
     keys (e.g., radix cache).
     """
 
-    lora_id: str = field(default_factory=lambda: uuid4().hex)
+    lora_id: str = msgspec.field(default_factory=lambda: uuid4().hex)
     lora_name: Optional[str] = None
     lora_path: Optional[str] = None
     pinned: Optional[bool] = None
@@ -41,6 +42,16 @@ class LoRARef:
     def __post_init__(self):
         if self.lora_id is None:
             raise ValueError("lora_id cannot be None")
+
+    @staticmethod
+    def deterministic_id(lora_name: str, lora_path: str) -> str:
+        """Stable ``lora_id`` for ``--lora-paths`` adapters.
+
+        Each node in a multi-node launch parses ``--lora-paths`` independently;
+        ``uuid4`` would mint a different id per node for the same adapter,
+        breaking cross-node lookups when the master broadcasts a request id.
+        """
+        return uuid5(NAMESPACE_URL, f"{lora_name}\0{lora_path}").hex
 
     def __str__(self) -> str:
         parts = [
@@ -180,15 +191,15 @@ class LoRARegistry:
         This method itself is not synchronized, which is safe because it should only be called during LoRA unloading,
         which itself is guaranteed to be sequential.
         """
-        assert (
-            lora_id not in self._registry
-        ), "wait_for_unload should only be called after the LoRA adapter has been unregistered. "
-        assert (
-            lora_id in self._counters
-        ), "The LoRA ID should still have a counter if it has been registered before."
+        assert lora_id not in self._registry, (
+            "wait_for_unload should only be called after the LoRA adapter has been unregistered. "
+        )
+        counter = self._counters.get(lora_id)
+        if counter is None:
+            return
 
         # Wait until no requests are using this LoRA adapter.
-        await self._counters[lora_id].wait_for_zero()
+        await counter.wait_for_zero()
         del self._counters[lora_id]
 
     async def get_unregistered_loras(self, lora_name: set[str]):

@@ -13,226 +13,75 @@
 # ==============================================================================
 """Common utilities."""
 
-from typing import Any, List, Optional, Tuple
+import hashlib
+from typing import Any, Callable, List, Optional, Tuple
 
-import torch
-import triton
-import triton.language as tl
-
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    get_mla_kv_buffer_kernel as get_mla_kv_buffer_kernel,
+)
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    get_mla_kv_buffer_triton as get_mla_kv_buffer_triton,
+)
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    set_mla_kv_buffer_dcp_sharded_triton as set_mla_kv_buffer_dcp_sharded_triton,
+)
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    set_mla_kv_buffer_fp8_quant_kernel as set_mla_kv_buffer_fp8_quant_kernel,
+)
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    set_mla_kv_buffer_kernel as set_mla_kv_buffer_kernel,
+)
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    set_mla_kv_buffer_triton as set_mla_kv_buffer_triton,
+)
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    set_mla_kv_buffer_triton_fp8_quant as set_mla_kv_buffer_triton_fp8_quant,
+)
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    set_mla_kv_scale_buffer_kernel as set_mla_kv_scale_buffer_kernel,
+)
+from sglang.kernels.ops.kvcache.mla_buffer import (
+    set_mla_kv_scale_buffer_triton as set_mla_kv_scale_buffer_triton,
+)
 from sglang.srt.environ import envs
+from sglang.srt.mem_cache.cpp_utils.native_hash import get_native_hash
+from sglang.srt.mem_cache.evict_policy import (
+    EvictionStrategy,
+    FIFOStrategy,
+    FILOStrategy,
+    LFUStrategy,
+    LRUStrategy,
+    MRUStrategy,
+    PriorityStrategy,
+    SLRUStrategy,
+    TLRUStrategy,
+)
+
+_EVICTION_POLICY_FACTORIES: dict[str, Callable[..., EvictionStrategy]] = {
+    "lru": LRUStrategy,
+    "lfu": LFUStrategy,
+    "fifo": FIFOStrategy,
+    "mru": MRUStrategy,
+    "filo": FILOStrategy,
+    "priority": PriorityStrategy,
+    "slru": SLRUStrategy,
+    "tlru": TLRUStrategy,
+}
 
 
-@triton.jit
-def set_mla_kv_buffer_kernel(
-    kv_buffer_ptr,
-    cache_k_nope_ptr,
-    cache_k_rope_ptr,
-    loc_ptr,
-    buffer_stride: tl.constexpr,
-    nope_stride: tl.constexpr,
-    rope_stride: tl.constexpr,
-    nope_dim: tl.constexpr,
-    rope_dim: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid_loc = tl.program_id(0)
-    pid_blk = tl.program_id(1)
-
-    base = pid_blk * BLOCK
-    offs = base + tl.arange(0, BLOCK)
-    total_dim = nope_dim + rope_dim
-    mask = offs < total_dim
-
-    loc = tl.load(loc_ptr + pid_loc).to(tl.int64)
-    dst_ptr = kv_buffer_ptr + loc * buffer_stride + offs
-
-    # Three-way branch to handle boundary correctly while preserving fast path
-    if base + BLOCK <= nope_dim:
-        # Fast path: entire block is in nope region
-        src = tl.load(
-            cache_k_nope_ptr + pid_loc * nope_stride + offs,
-            mask=mask,
-        )
-    elif base >= nope_dim:
-        # Fast path: entire block is in rope region
-        offs_rope = offs - nope_dim
-        src = tl.load(
-            cache_k_rope_ptr + pid_loc * rope_stride + offs_rope,
-            mask=mask,
-        )
-    else:
-        # Boundary case: block spans nope/rope boundary (e.g., FP8 with nope_dim=528)
-        # Handle each offset individually to avoid negative indexing
-        is_nope = offs < nope_dim
-        is_rope = (offs >= nope_dim) & (offs < (nope_dim + rope_dim))
-
-        src_nope = tl.load(
-            cache_k_nope_ptr + pid_loc * nope_stride + offs,
-            mask=mask & is_nope,
-            other=0,
-        )
-        src_rope = tl.load(
-            cache_k_rope_ptr + pid_loc * rope_stride + (offs - nope_dim),
-            mask=mask & is_rope,
-            other=0,
-        )
-
-        src = tl.where(is_nope, src_nope, src_rope)
-
-    tl.store(dst_ptr, src, mask=mask)
-
-
-def set_mla_kv_buffer_triton(
-    kv_buffer: torch.Tensor,
-    loc: torch.Tensor,
-    cache_k_nope: torch.Tensor,
-    cache_k_rope: torch.Tensor,
-):
-    nope_dim = cache_k_nope.shape[-1]
-    rope_dim = cache_k_rope.shape[-1]
-    total_dim = nope_dim + rope_dim
-    BLOCK = 128
-    n_loc = loc.numel()
-    grid = (n_loc, triton.cdiv(total_dim, BLOCK))
-
-    set_mla_kv_buffer_kernel[grid](
-        kv_buffer,
-        cache_k_nope,
-        cache_k_rope,
-        loc,
-        kv_buffer.stride(0),
-        cache_k_nope.stride(0),
-        cache_k_rope.stride(0),
-        nope_dim,
-        rope_dim,
-        BLOCK=BLOCK,
-    )
-
-
-@triton.jit
-def set_mla_kv_scale_buffer_kernel(
-    kv_buffer_ptr,
-    cache_k_nope_ptr,
-    cache_k_rope_ptr,
-    loc_ptr,
-    buffer_stride: tl.constexpr,
-    nope_stride: tl.constexpr,
-    rope_stride: tl.constexpr,
-    nope_dim: tl.constexpr,
-    rope_dim: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid_loc = tl.program_id(0)
-    pid_blk = tl.program_id(1)
-
-    base = pid_blk * BLOCK
-    offs = base + tl.arange(0, BLOCK)
-    total_dim = nope_dim + rope_dim
-    mask = offs < total_dim  # Make sure don't cross the boundary
-
-    loc = tl.load(loc_ptr + pid_loc)
-    dst_ptr = kv_buffer_ptr + loc * buffer_stride + offs
-
-    # Check each offs should read 'nope' or 'rope'
-    is_nope = offs < nope_dim
-    src_nope = tl.load(
-        cache_k_nope_ptr + pid_loc * nope_stride + offs, mask=mask & is_nope, other=0.0
-    )
-    src_rope = tl.load(
-        cache_k_rope_ptr + pid_loc * rope_stride + (offs - nope_dim),
-        mask=mask & ~is_nope,
-        other=0.0,
-    )
-
-    # Combine nope + rope
-    src = src_nope + src_rope
-    tl.store(dst_ptr, src, mask=mask)
-
-
-def set_mla_kv_scale_buffer_triton(
-    kv_buffer: torch.Tensor,
-    loc: torch.Tensor,
-    cache_k_nope: torch.Tensor,
-    cache_k_rope: torch.Tensor,
-):
-    nope_dim = cache_k_nope.shape[-1]
-    rope_dim = cache_k_rope.shape[-1]
-    total_dim = nope_dim + rope_dim
-    BLOCK = 128  # Keep origin, works for smaller total_dim as well.
-    n_loc = loc.numel()
-    grid = (n_loc, triton.cdiv(total_dim, BLOCK))
-
-    set_mla_kv_scale_buffer_kernel[grid](
-        kv_buffer,
-        cache_k_nope,
-        cache_k_rope,
-        loc,
-        kv_buffer.stride(0),
-        cache_k_nope.stride(0),
-        cache_k_rope.stride(0),
-        nope_dim,
-        rope_dim,
-        BLOCK=BLOCK,
-    )
-
-
-@triton.jit
-def get_mla_kv_buffer_kernel(
-    kv_buffer_ptr,
-    cache_k_nope_ptr,
-    cache_k_rope_ptr,
-    loc_ptr,
-    buffer_stride: tl.constexpr,
-    nope_stride: tl.constexpr,
-    rope_stride: tl.constexpr,
-    nope_dim: tl.constexpr,
-    rope_dim: tl.constexpr,
-):
-    pid_loc = tl.program_id(0)
-    loc = tl.load(loc_ptr + pid_loc).to(tl.int64)
-    loc_src_ptr = kv_buffer_ptr + loc * buffer_stride
-
-    nope_offs = tl.arange(0, nope_dim)
-    nope_src_ptr = loc_src_ptr + nope_offs
-    nope_src = tl.load(nope_src_ptr)
-
-    tl.store(
-        cache_k_nope_ptr + pid_loc * nope_stride + nope_offs,
-        nope_src,
-    )
-
-    rope_offs = tl.arange(0, rope_dim)
-    rope_src_ptr = loc_src_ptr + nope_dim + rope_offs
-    rope_src = tl.load(rope_src_ptr)
-    tl.store(
-        cache_k_rope_ptr + pid_loc * rope_stride + rope_offs,
-        rope_src,
-    )
-
-
-def get_mla_kv_buffer_triton(
-    kv_buffer: torch.Tensor,
-    loc: torch.Tensor,
-    cache_k_nope: torch.Tensor,
-    cache_k_rope: torch.Tensor,
-):
-    # The source data type will be implicitly converted to the target data type.
-    nope_dim = cache_k_nope.shape[-1]  # 512
-    rope_dim = cache_k_rope.shape[-1]  # 64
-    n_loc = loc.numel()
-    grid = (n_loc,)
-
-    get_mla_kv_buffer_kernel[grid](
-        kv_buffer,
-        cache_k_nope,
-        cache_k_rope,
-        loc,
-        kv_buffer.stride(0),
-        cache_k_nope.stride(0),
-        cache_k_rope.stride(0),
-        nope_dim,
-        rope_dim,
-    )
+def get_eviction_strategy(
+    eviction_policy: str, config: Optional[dict[str, Any]] = None
+) -> EvictionStrategy:
+    """Build the eviction strategy; ``config`` is passed to it as keyword arguments."""
+    policy = eviction_policy.lower()
+    try:
+        factory = _EVICTION_POLICY_FACTORIES[policy]
+    except KeyError:
+        supported = "', '".join(_EVICTION_POLICY_FACTORIES)
+        raise ValueError(
+            f"Unknown eviction policy: {policy}. Supported policies: '{supported}'."
+        ) from None
+    return factory(**config) if config else factory()
 
 
 def maybe_init_custom_mem_pool(
@@ -264,11 +113,129 @@ def maybe_init_custom_mem_pool(
         return False, None, None
 
 
-def convert_to_bigram_key(tokens: List[int]) -> List[Tuple[int, int]]:
-    # EAGLE uses bigram keys in the radix tree since draft sequence is the one-token-shifted version of target
-    # [1, 2, 3, 4] -> [(1,2), (2,3), (3,4)]
-    if len(tokens) and isinstance(tokens[0], tuple):
-        return tokens
-    if len(tokens) < 2:
-        return []
-    return [(tokens[i], tokens[i + 1]) for i in range(len(tokens) - 1)]
+def get_hash_str(
+    token_ids: List[int],
+    prior_hash: Optional[str] = None,
+    page_size: Optional[int] = None,
+) -> str | List[str]:
+    prior_digest = bytes.fromhex(prior_hash) if prior_hash else None
+    return get_native_hash(token_ids, prior_digest, page_size)
+
+
+def storage_namespace_seed(
+    extra_key: Optional[str], cache_salt: Optional[str]
+) -> Optional[str]:
+    """Seed storage chains; preserve unnamespaced keys and Rust byte parity."""
+    if extra_key is None and cache_salt is None:
+        return None
+    digest = hashlib.sha256(b"sglang-cache-namespace-v1")
+    # Presence and UTF-8 byte length distinguish absent, empty and joined parts.
+    for part in (extra_key, cache_salt):
+        if part is None:
+            digest.update(b"\x00")
+            continue
+        encoded = part.encode("utf-8")
+        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.hexdigest()
+
+
+def get_storage_hash_str(
+    key: Any,
+    prior_hash: Optional[str] = None,
+    page_size: Optional[int] = None,
+) -> str | List[str]:
+    """Seed new storage chains with the request namespace."""
+    if prior_hash is None:
+        prior_hash = storage_namespace_seed(
+            getattr(key, "extra_key", None), getattr(key, "cache_salt", None)
+        )
+    return get_hash_str(key, prior_hash, page_size=page_size)
+
+
+def hash_str_to_int64(hash_str: str) -> int:
+    """Convert SHA256 hex string to signed 64-bit integer for events.
+
+    Takes first 16 hex characters (64 bits) and converts to signed int64 range.
+    """
+    uint64_val = int(hash_str[:16], 16)
+    if uint64_val >= 2**63:
+        return uint64_val - 2**64
+    return uint64_val
+
+
+def compute_node_hash_values(node: Any, page_size: int) -> List[str]:
+    """Compute SHA256-based hash values for position-aware KV block IDs."""
+    parent_hash = None
+    if node.parent is not None and node.parent.hash_value is not None:
+        if len(node.parent.key) > 0 and len(node.parent.hash_value) > 0:
+            parent_hash = node.parent.hash_value[-1]
+
+    hash_values = get_storage_hash_str(node.key, parent_hash, page_size=page_size)
+    assert isinstance(hash_values, list)
+    return hash_values
+
+
+def compute_node_event_hash_values(node: Any, page_size: int) -> List[str]:
+    """Hash tokens with the legacy salt seed; omit extra_key."""
+    namespace = (node.key.extra_key, node.key.cache_salt)
+    if namespace == (None, None):
+        return compute_node_hash_values(node, page_size)
+
+    if node.event_hash_value is not None:
+        return node.event_hash_value
+
+    missing_nodes = []
+    current = node
+    while current is not None and current.key is not None and len(current.key) > 0:
+        if (current.key.extra_key, current.key.cache_salt) != namespace:
+            raise ValueError("Radix path contains mismatched cache namespaces")
+        if current.event_hash_value is not None:
+            break
+        missing_nodes.append(current)
+        current = current.parent
+
+    if current is not None and current.event_hash_value:
+        parent_hash = current.event_hash_value[-1]
+    elif node.key.cache_salt is not None:
+        parent_hash = hashlib.sha256(
+            b"sglang-cache-salt-v1\0" + node.key.cache_salt.encode("utf-8")
+        ).hexdigest()
+    else:
+        parent_hash = None
+
+    for missing_node in reversed(missing_nodes):
+        hash_values = get_hash_str(missing_node.key, parent_hash, page_size=page_size)
+        assert isinstance(hash_values, list)
+        missing_node.event_hash_value = hash_values
+        if hash_values:
+            parent_hash = hash_values[-1]
+
+    assert node.event_hash_value is not None
+    return node.event_hash_value
+
+
+def split_node_hash_value(
+    child_hash_value: Optional[List[str]], split_len: int, page_size: int
+) -> tuple[Optional[List[str]], Optional[List[str]]]:
+    """Split hash_value between parent and child nodes during node splitting.
+
+    Args:
+        child_hash_value: The hash_value list from the child node being split
+        split_len: The length at which to split (in tokens)
+        page_size: The page size for calculating number of pages
+
+    Returns:
+        Tuple of (new_node_hash_value, updated_child_hash_value)
+    """
+    if child_hash_value is None:
+        return None, None
+
+    if page_size == 1:
+        split_pages = split_len
+    else:
+        split_pages = split_len // page_size
+
+    new_node_hash = child_hash_value[:split_pages]
+    child_hash = child_hash_value[split_pages:]
+
+    return new_node_hash, child_hash

@@ -1,19 +1,25 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/v0.6.3.post1/vllm/model_executor/model_loader/loader.py
 
 from __future__ import annotations
 
 # ruff: noqa: SIM117
 import collections
+import concurrent.futures
 import dataclasses
 import fnmatch
 import gc
 import glob
+import hashlib
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -27,7 +33,6 @@ from typing import (
     List,
     Optional,
     Tuple,
-    Union,
     cast,
 )
 
@@ -35,12 +40,23 @@ import huggingface_hub
 import numpy as np
 import torch
 
+from sglang.srt.constants import GIB_BYTES
+from sglang.srt.kernel_plugins.amd.binding import (
+    monokernel_weights_iterator,
+)
+from sglang.srt.model_loader.post_load import stage_module_for_post_load
 from sglang.srt.model_loader.remote_instance_weight_loader_utils import (
     RemoteInstanceWeightLoaderBackend,
     get_remote_instance_transfer_engine_info_per_rank,
     register_memory_region,
 )
-from sglang.srt.server_args import get_global_server_args
+from sglang.srt.runtime_context import (
+    get_exec,
+    get_model,
+    get_parallel,
+    get_server_args,
+)
+from sglang.srt.utils import get_available_gpu_memory
 
 # Try to import accelerate (optional dependency)
 try:
@@ -67,20 +83,27 @@ from sglang.srt.connector import (
 )
 from sglang.srt.connector.utils import parse_model_name
 from sglang.srt.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
     model_parallel_is_initialized,
 )
+from sglang.srt.layers.layer_boundary.stage import check_stage_producers
+from sglang.srt.layers.layernorm import GemmaRMSNorm
 from sglang.srt.layers.modelopt_utils import QUANT_CFG_CHOICES
-from sglang.srt.layers.quantization.base_config import QuantizationConfig
+from sglang.srt.layers.moe.utils import (
+    resolve_shared_experts_config,
+)
+from sglang.srt.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
 from sglang.srt.model_loader.remote_instance_weight_loader_utils import (
     trigger_transferring_weights_request,
 )
 from sglang.srt.model_loader.utils import (
     get_model_architecture,
-    post_load_weights,
     set_default_torch_dtype,
 )
+from sglang.srt.utils.common import is_cuda_alike
 
 # Constants for memory management
 DEFAULT_GPU_MEMORY_FRACTION_FOR_CALIBRATION = (
@@ -88,6 +111,8 @@ DEFAULT_GPU_MEMORY_FRACTION_FOR_CALIBRATION = (
 )
 from sglang.srt.environ import envs
 from sglang.srt.model_loader.weight_utils import (
+    CheckpointFilePrefetchHandle,
+    _prefetch_all_checkpoints,
     buffered_multi_thread_safetensors_weights_iterator,
     download_safetensors_index_file_from_hf,
     download_weights_from_hf,
@@ -97,7 +122,9 @@ from sglang.srt.model_loader.weight_utils import (
     get_gguf_extra_tensor_names,
     get_quant_config,
     gguf_quant_weights_iterator,
+    initialize_capture_safe_weights,
     initialize_dummy_weights,
+    instanttensor_weights_iterator,
     maybe_add_mtp_safetensors,
     multi_thread_pt_weights_iterator,
     np_cache_weights_iterator,
@@ -105,6 +132,7 @@ from sglang.srt.model_loader.weight_utils import (
     safetensors_weights_iterator,
     set_runai_streamer_env,
 )
+from sglang.srt.platforms import current_platform
 from sglang.srt.utils import (
     get_bool_env_var,
     get_device_capability,
@@ -129,61 +157,15 @@ logger = logging.getLogger(__name__)
 @contextmanager
 def device_loading_context(module: torch.nn.Module, target_device: torch.device):
     if target_device.type == "cpu":
-        # If target is CPU, no need to move anything
         yield module
         return
 
-    original_infos: Dict[str, Dict] = {}
-
-    # Store original device states and move parameters to GPU if they're on CPU
-    for name, p in module.named_parameters():
-        if p.device.type == "cpu":
-            original_data = p.data
-            device_data = p.data.to(target_device)
-            original_infos[name] = dict(
-                device=p.device,
-                original_data=original_data,
-                device_data=device_data,
-            )
-            p.data = device_data
-        # Parameters already on target device are not touched
-
-    try:
+    with stage_module_for_post_load(
+        module,
+        target_device,
+        pin_memory=target_device.type != "cpu" and is_pin_memory_available(),
+    ):
         yield module
-
-    finally:
-        # Restore parameters to their original devices, ignoring new parameters
-        pin_memory = is_pin_memory_available()
-        for name, p in module.named_parameters():
-            if name in original_infos:
-                original_info = original_infos[name]
-                device_data = original_info["device_data"]
-                original_data = original_info["original_data"]
-                original_device: torch.device = original_info["device"]
-
-                if (
-                    (device_data.device == p.data.device)
-                    and (device_data.data_ptr() == p.data.data_ptr())
-                    and (device_data.shape == p.data.shape)
-                    and (device_data.dtype == p.data.dtype)
-                ):
-                    original_data.copy_(p.data.to(original_data.device))
-                    p.data = original_data
-                elif original_device.type == "cpu":
-                    # `torch.empty_like` does not support `pin_memory` argument
-                    cpu_data = torch.empty_strided(
-                        size=p.data.size(),
-                        stride=p.data.stride(),
-                        dtype=p.data.dtype,
-                        layout=p.data.layout,
-                        device="cpu",
-                        pin_memory=pin_memory,
-                    )
-                    cpu_data.copy_(p.data)
-                    p.data = cpu_data
-                else:
-                    p.data = p.data.to(original_device)
-        # New parameters or parameters already on target device are untouched
 
 
 logger = logging.getLogger(__name__)
@@ -197,6 +179,15 @@ def _get_quantization_config(
     model_class, _ = get_model_architecture(model_config)
     packed_modules_mapping = getattr(model_class, "packed_modules_mapping", {})
     remap_prefix = getattr(model_class, "remap_prefix", None)
+    # TODO: we should remove this code and switch to the packed_modules_mapping declared inside the modeling files
+    if model_config.quantization == "quark":
+        packed_modules_mapping.update(
+            {
+                "gate_up_proj": ["gate_proj", "up_proj"],
+                "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
+            }
+        )
+
     if _is_npu:
         packed_modules_mapping.update(
             {
@@ -215,6 +206,7 @@ def _get_quantization_config(
                         "q_a_proj",
                         "kv_a_proj_with_mqa",
                     ],
+                    "index_qkv_proj": ["index_q_proj", "index_k_proj"],
                 },
             }
         )
@@ -226,6 +218,38 @@ def _get_quantization_config(
         # (yizhang2077) workaround for nvidia/Llama-4-Maverick-17B-128E-Eagle3
         if quant_config is None:
             return None
+        from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+        if isinstance(quant_config, Fp8Config):
+            quant_config.is_fp4_experts = model_config.is_fp4_experts
+            from sglang.srt.configs.model_config import is_deepseek_v4
+
+            quant_config.is_dsv4_fp4_experts = is_deepseek_v4(model_config.hf_config)
+            quant_config.dequant_fp4_to_fp8 = envs.SGLANG_DSV4_FP4_DEQUANT.get()
+            # Handle hybrid NVFP4 moe (nvidia/DeepSeek-V4-Pro-NVFP4)
+            nvfp4_meta = model_config.nvfp4_moe_meta
+            if nvfp4_meta is not None:
+                from sglang.srt.layers.quantization.modelopt_quant import (
+                    HybridFp8NvFp4Config,
+                    ModelOptFp4Config,
+                )
+
+                # Draft experts serialized under mtp.* remain source MXFP4.
+                # NextN exposes them as model.decoder.*; DSpark as stages.*.
+                nvfp4_exclude_modules = list(
+                    nvfp4_meta.get("exclude_modules") or []
+                ) + ["model.decoder.*", "stages.*"]
+                nvfp4_config = ModelOptFp4Config(
+                    is_checkpoint_nvfp4_serialized=True,
+                    group_size=int(nvfp4_meta["group_size"]),
+                    exclude_modules=nvfp4_exclude_modules,
+                    packed_modules_mapping=quant_config.packed_modules_mapping,
+                )
+                quant_config = HybridFp8NvFp4Config(
+                    fp8_config=quant_config, nvfp4_config=nvfp4_config
+                )
+        elif quant_config.get_name() == "humming":
+            quant_config.is_fp4_experts = model_config.is_fp4_experts
         if not _is_npu:
             major, minor = get_device_capability()
 
@@ -246,7 +270,11 @@ def _get_quantization_config(
                 f"method {model_config.quantization}. Supported dtypes: "
                 f"{supported_dtypes}"
             )
-        hf_to_sglang_mapper = getattr(model_class, "hf_to_sglang_mapper", None)
+        get_hf_to_sglang_mapper = getattr(model_class, "get_hf_to_sglang_mapper", None)
+        if get_hf_to_sglang_mapper is not None:
+            hf_to_sglang_mapper = get_hf_to_sglang_mapper(model_config.hf_config)
+        else:
+            hf_to_sglang_mapper = getattr(model_class, "hf_to_sglang_mapper", None)
         # pass mappings by reference to quant_config
         if hf_to_sglang_mapper is not None and quant_config is not None:
             quant_config.apply_weight_name_mapper(hf_to_sglang_mapper)
@@ -261,6 +289,9 @@ def _initialize_model(
 ) -> nn.Module:
     """Initialize a model with the given configurations."""
     model_class, _ = get_model_architecture(model_config)
+    shared_experts = resolve_shared_experts_config(
+        model_class, model_config.hf_config, quant_config
+    )
     kwargs = {
         "config": model_config.hf_config,
         "quant_config": quant_config,
@@ -274,11 +305,40 @@ def _initialize_model(
     if load_config.draft_model_idx is not None:
         kwargs["draft_model_idx"] = load_config.draft_model_idx
 
-    return model_class(**kwargs)
+    with get_model().override(shared_experts=shared_experts):
+        model = model_class(**kwargs)
+        check_stage_producers(model)
+    model.shared_experts_config = shared_experts
+    return model
+
+
+def post_load_weights(model: nn.Module) -> None:
+    # Loaders that bypass `model.load_weights()` (dummy / sharded state / remote instance /
+    # remote fs) must trigger the model's post-load fixup explicitly; `model.load_weights()`
+    # would normally do it internally. NextN subclasses override the method to fill in
+    # `is_nextn=True`, so the loader doesn't need to know.
+    if hasattr(model, "post_load_weights"):
+        model.post_load_weights()
+
+
+def _modules_with_quant_method(model: nn.Module):
+    from sglang.srt.lora.layers import BaseLayerWithLoRA
+
+    for _, module in model.named_modules():
+        # LoRA wrappers forward quant_method but do not own the packed params
+        if isinstance(module, BaseLayerWithLoRA):
+            continue
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None:
+            yield module, quant_method
 
 
 class BaseModelLoader(ABC):
     """Base class for model loaders."""
+
+    # Rank-local weight memory already resident when ModelRunner sampled its
+    # pre-load baseline. Shared allocations must be reported by only one loader.
+    preloaded_weights_bytes: int = 0
 
     def __init__(self, load_config: LoadConfig):
         self.load_config = load_config
@@ -297,6 +357,33 @@ class BaseModelLoader(ABC):
     ) -> nn.Module:
         """Load a model with the given configurations."""
         raise NotImplementedError
+
+
+def _validate_default_loader_extra_config(
+    *, extra_config: dict, load_format: LoadFormat
+) -> None:
+    if load_format == LoadFormat.INSTANTTENSOR:
+        # Pass extra config directly to InstantTensor and let it report invalid
+        # options, so newer versions can add parameters without a SGLang update.
+        return
+
+    allowed_keys = {"enable_multithread_load", "num_threads"}
+    if load_format == LoadFormat.FASTSAFETENSORS:
+        allowed_keys.add("enable_gds")
+        if "enable_gds" in extra_config and not isinstance(
+            extra_config["enable_gds"], bool
+        ):
+            raise ValueError(
+                "enable_gds in --model-loader-extra-config must be a boolean"
+            )
+
+    unexpected_keys = set(extra_config.keys()) - allowed_keys
+    if unexpected_keys:
+        raise ValueError(
+            f"Unexpected extra config keys for load format "
+            f"{load_format}: "
+            f"{unexpected_keys}"
+        )
 
 
 class DefaultModelLoader(BaseModelLoader):
@@ -323,7 +410,13 @@ class DefaultModelLoader(BaseModelLoader):
         fall_back_to_pt: bool = True
         """Whether .pt weights can be used."""
 
-        model_config: Optional["ModelConfig"] = None
+        allow_patterns_overrides: Optional[list[str]] = None
+        """If defined, weights will load exclusively using these patterns.
+
+        Used by checkpoints whose weights live in subfolders (e.g. the Cosmos3
+        diffusers-style layout with ``transformer/`` and ``vision_encoder/``)."""
+
+        model_config: Optional[ModelConfig] = None
         """The model configuration (for checking architecture, etc)."""
 
         @classmethod
@@ -333,24 +426,30 @@ class DefaultModelLoader(BaseModelLoader):
                 model_config.revision,
                 prefix="",
                 fall_back_to_pt=getattr(model, "fall_back_to_pt_during_load", True),
+                allow_patterns_overrides=getattr(
+                    model, "allow_patterns_overrides", None
+                ),
                 model_config=model_config,
             )
+
+    @dataclasses.dataclass(frozen=True)
+    class ResolvedSource:
+        """A weight source whose local checkpoint files are already resolved."""
+
+        source: DefaultModelLoader.Source
+        hf_folder: str
+        weight_files: Tuple[str, ...]
+        use_safetensors: bool
 
     counter_before_loading_weights: float = 0.0
     counter_after_loading_weights: float = 0.0
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
-        extra_config = load_config.model_loader_extra_config
-        allowed_keys = {"enable_multithread_load", "num_threads"}
-        unexpected_keys = set(extra_config.keys()) - allowed_keys
-
-        if unexpected_keys:
-            raise ValueError(
-                f"Unexpected extra config keys for load format "
-                f"{load_config.load_format}: "
-                f"{unexpected_keys}"
-            )
+        _validate_default_loader_extra_config(
+            extra_config=load_config.model_loader_extra_config,
+            load_format=load_config.load_format,
+        )
 
     def _maybe_download_from_modelscope(
         self, model: str, revision: Optional[str]
@@ -379,7 +478,11 @@ class DefaultModelLoader(BaseModelLoader):
         return model
 
     def _prepare_weights(
-        self, model_name_or_path: str, revision: Optional[str], fall_back_to_pt: bool
+        self,
+        model_name_or_path: str,
+        revision: Optional[str],
+        fall_back_to_pt: bool,
+        allow_patterns_overrides: Optional[list[str]] = None,
     ) -> Tuple[str, List[str], bool]:
         """Prepare weights for the model.
 
@@ -395,9 +498,10 @@ class DefaultModelLoader(BaseModelLoader):
         # Some quantized models use .pt files for storing the weights.
         if load_format == LoadFormat.AUTO:
             allow_patterns = ["*.safetensors", "*.bin"]
-        elif (
-            load_format == LoadFormat.SAFETENSORS
-            or load_format == LoadFormat.FASTSAFETENSORS
+        elif load_format in (
+            LoadFormat.SAFETENSORS,
+            LoadFormat.FASTSAFETENSORS,
+            LoadFormat.INSTANTTENSOR,
         ):
             use_safetensors = True
             allow_patterns = ["*.safetensors"]
@@ -419,6 +523,9 @@ class DefaultModelLoader(BaseModelLoader):
         if fall_back_to_pt:
             allow_patterns += ["*.pt"]
 
+        if allow_patterns_overrides is not None:
+            allow_patterns = allow_patterns_overrides
+
         if not is_local:
             hf_folder = download_weights_from_hf(
                 model_name_or_path,
@@ -430,18 +537,18 @@ class DefaultModelLoader(BaseModelLoader):
         else:
             hf_folder = model_name_or_path
 
-        server_args = get_global_server_args()
-        if server_args and server_args.model_checksum is not None:
+        server_args = get_server_args()
+        if server_args and get_model().model_checksum is not None:
             from sglang.srt.utils.model_file_verifier import verify
 
-            checksums_source = server_args.model_checksum or model_name_or_path
+            checksums_source = get_model().model_checksum or model_name_or_path
             verify(model_path=hf_folder, checksums_source=checksums_source)
 
         hf_weights_files: List[str] = []
         for pattern in allow_patterns:
             hf_weights_files += glob.glob(os.path.join(hf_folder, pattern))
             if len(hf_weights_files) > 0:
-                if pattern == "*.safetensors":
+                if pattern.endswith(".safetensors"):
                     use_safetensors = True
                 break
 
@@ -459,7 +566,12 @@ class DefaultModelLoader(BaseModelLoader):
                     revision,
                 )
             hf_weights_files = filter_duplicate_safetensors_files(
-                hf_weights_files, hf_folder, index_file
+                hf_weights_files,
+                hf_folder,
+                index_file,
+                allow_patterns=(
+                    allow_patterns if allow_patterns_overrides is not None else None
+                ),
             )
         else:
             hf_weights_files = filter_files_not_needed_for_inference(hf_weights_files)
@@ -469,25 +581,55 @@ class DefaultModelLoader(BaseModelLoader):
                 f"Cannot find any model weights with `{model_name_or_path}`"
             )
 
+        # Sort and optionally stagger weight files (see SGLANG_SORT_WEIGHT_FILES).
+        # k=-1: no sort; k=0: sort only; k>0: sort + stagger by (tp_rank*k).
+        k = envs.SGLANG_SORT_WEIGHT_FILES.get()
+        if k >= 0:
+            hf_weights_files.sort()
+            if k > 0:
+                tp_size = get_parallel().tp_size
+                if tp_size > 1:
+                    tp_rank = get_parallel().tp_rank
+                    group_size = tp_size * k
+                    staggered: List[str] = []
+                    for i in range(0, len(hf_weights_files), group_size):
+                        group = hf_weights_files[i : i + group_size]
+                        n = len(group)
+                        staggered.extend(group[(j + tp_rank * k) % n] for j in range(n))
+                    hf_weights_files = staggered
+
         return hf_folder, hf_weights_files, use_safetensors
 
     def _get_weights_iterator(
-        self, source: "Source"
+        self,
+        source: Source,
+        *,
+        resolved_source: Optional[ResolvedSource] = None,
+        startup_prefetch_started: bool = False,
+        startup_prefetch_active: bool = False,
     ) -> Generator[Tuple[str, torch.Tensor], None, None]:
         """Get an iterator for the model weights based on the load format."""
         extra_config = self.load_config.model_loader_extra_config
-        use_multithread = extra_config.get("enable_multithread_load", False)
-        hf_folder, hf_weights_files, use_safetensors = self._prepare_weights(
-            source.model_or_path, source.revision, source.fall_back_to_pt
-        )
+        use_multithread = extra_config.get("enable_multithread_load", True)
 
-        if use_safetensors and source.model_config is not None:
-            hf_weights_files = maybe_add_mtp_safetensors(
-                hf_weights_files,
-                hf_folder,
-                "model.safetensors.index.json",
-                source.model_config.hf_config,
+        if resolved_source is None:
+            hf_folder, hf_weights_files, use_safetensors = self._prepare_weights(
+                source.model_or_path,
+                source.revision,
+                source.fall_back_to_pt,
+                source.allow_patterns_overrides,
             )
+            if use_safetensors and source.model_config is not None:
+                hf_weights_files = maybe_add_mtp_safetensors(
+                    hf_weights_files,
+                    hf_folder,
+                    "model.safetensors.index.json",
+                    source.model_config.hf_config,
+                )
+        else:
+            hf_folder = resolved_source.hf_folder
+            hf_weights_files = list(resolved_source.weight_files)
+            use_safetensors = resolved_source.use_safetensors
 
         if self.load_config.load_format == LoadFormat.NPCACHE:
             # Currently np_cache only support *.bin checkpoints
@@ -498,14 +640,60 @@ class DefaultModelLoader(BaseModelLoader):
                 hf_folder,
                 hf_weights_files,
             )
+        elif self.load_config.load_format == LoadFormat.INSTANTTENSOR:
+            weights_iterator = instanttensor_weights_iterator(
+                hf_weights_files,
+                extra_config=extra_config,
+                load_group=self.load_config.load_group,
+            )
         elif use_safetensors:
-            weight_loader_disable_mmap = (
-                get_global_server_args().weight_loader_disable_mmap
+            weight_loader_disable_mmap = get_model().weight_loader_disable_mmap
+            configured_prefetch = get_model().weight_loader_prefetch_checkpoints
+            start_iterator_prefetch = (
+                configured_prefetch and not startup_prefetch_started
+            )
+            concurrent_prefetch_active = (
+                startup_prefetch_active or start_iterator_prefetch
+            )
+            prefetch_num_threads = get_model().weight_loader_prefetch_num_threads
+            weight_loader_drop_cache_after_load = (
+                get_model().weight_loader_drop_cache_after_load
             )
 
+            # Prefetch and multi-threaded loading both read the same shards,
+            # competing for I/O on shared/network storage. When prefetch is
+            # active (mmap path, not FASTSAFETENSORS) and the user didn't
+            # explicitly request multi-threaded loading, fall back to the
+            # single-threaded loader and let prefetch feed the page cache.
+            # Setting enable_multithread_load or num_threads in
+            # --model-loader-extra-config opts out (the latter is consumed
+            # only by the multi-threaded iterator, so it signals intent);
+            # e.g. local NVMe, where prefetch is a no-op and multi-threading
+            # helps.
+            if (
+                concurrent_prefetch_active
+                and not weight_loader_disable_mmap
+                and self.load_config.load_format != LoadFormat.FASTSAFETENSORS
+                and use_multithread
+                and not (
+                    {"enable_multithread_load", "num_threads"} & extra_config.keys()
+                )
+            ):
+                logger.debug(
+                    "Checkpoint prefetching is active; falling "
+                    "back to single-threaded weight loading to avoid I/O "
+                    "oversubscription with the prefetch threads. Set "
+                    "enable_multithread_load=true in --model-loader-extra-config "
+                    "to keep multi-threaded loading."
+                )
+                use_multithread = False
+
             if self.load_config.load_format == LoadFormat.FASTSAFETENSORS:
+                enable_gds = extra_config.get("enable_gds", True)
                 weights_iterator = fastsafetensors_weights_iterator(
                     hf_weights_files,
+                    enable_gds=enable_gds,
+                    drop_cache_after_load=weight_loader_drop_cache_after_load,
                 )
             elif use_multithread:
                 weights_iterator = buffered_multi_thread_safetensors_weights_iterator(
@@ -514,10 +702,17 @@ class DefaultModelLoader(BaseModelLoader):
                         "num_threads", self.DEFAULT_NUM_THREADS
                     ),
                     disable_mmap=weight_loader_disable_mmap,
+                    prefetch=start_iterator_prefetch,
+                    prefetch_num_threads=prefetch_num_threads,
+                    drop_cache_after_load=weight_loader_drop_cache_after_load,
                 )
             else:
                 weights_iterator = safetensors_weights_iterator(
-                    hf_weights_files, disable_mmap=weight_loader_disable_mmap
+                    hf_weights_files,
+                    disable_mmap=weight_loader_disable_mmap,
+                    prefetch=start_iterator_prefetch,
+                    prefetch_num_threads=prefetch_num_threads,
+                    drop_cache_after_load=weight_loader_drop_cache_after_load,
                 )
 
         else:
@@ -544,10 +739,12 @@ class DefaultModelLoader(BaseModelLoader):
     @classmethod
     def _filter_mtp_weights(
         cls, weights_iterator, prefix: str, draft_model_idx: int
-    ) -> Tuple[Tuple[str, torch.Tensor], ...]:
-        """Filter MTP (Multi-Token Prediction) weights to keep only the
-        specified draft model layer and remap it to layer 0."""
-        filtered_weights = []
+    ) -> Generator[Tuple[str, torch.Tensor], None, None]:
+        """Filter MTP weights to keep only the specified draft model layer
+        and remap it to layer 0. Yields lazily so the upstream buffered
+        iterator's sliding window actually bounds CPU memory — eager
+        materialization caused page-reclaim hangs on large MoE checkpoints
+        with multi-layer EAGLE."""
         for name, tensor in weights_iterator:
             match = cls._MTP_PATTERN.match(name)
             if match is not None:
@@ -557,8 +754,7 @@ class DefaultModelLoader(BaseModelLoader):
                 new_name = name.replace(match.group(), "model.mtp.layers.0.")
             else:
                 new_name = name
-            filtered_weights.append((prefix + new_name, tensor))
-        return tuple(filtered_weights)
+            yield (prefix + new_name, tensor)
 
     def _get_all_weights(
         self,
@@ -574,6 +770,144 @@ class DefaultModelLoader(BaseModelLoader):
         )
         for source in secondary_weights:
             yield from self._get_weights_iterator(source)
+
+    def resolve_model_weights(
+        self,
+        model_config: ModelConfig,
+        model: nn.Module,
+    ) -> Tuple[ResolvedSource, ...]:
+        """Resolve all checkpoint files before background startup prefetching."""
+        sources = [DefaultModelLoader.Source.init_new(model_config, model)]
+        sources.extend(
+            cast(
+                Iterable[DefaultModelLoader.Source],
+                getattr(model, "secondary_weights", ()),
+            )
+        )
+
+        resolved_sources = []
+        for source in sources:
+            hf_folder, weight_files, use_safetensors = self._prepare_weights(
+                source.model_or_path,
+                source.revision,
+                source.fall_back_to_pt,
+                source.allow_patterns_overrides,
+            )
+            if use_safetensors and source.model_config is not None:
+                weight_files = maybe_add_mtp_safetensors(
+                    weight_files,
+                    hf_folder,
+                    "model.safetensors.index.json",
+                    source.model_config.hf_config,
+                )
+            resolved_sources.append(
+                DefaultModelLoader.ResolvedSource(
+                    source=source,
+                    hf_folder=hf_folder,
+                    weight_files=tuple(weight_files),
+                    use_safetensors=use_safetensors,
+                )
+            )
+        return tuple(resolved_sources)
+
+    @staticmethod
+    def start_checkpoint_prefetch(
+        resolved_sources: Tuple[ResolvedSource, ...],
+        *,
+        num_threads: int,
+    ) -> CheckpointFilePrefetchHandle:
+        """Start CPU-only page-cache staging for already-resolved sources."""
+        if not all(source.use_safetensors for source in resolved_sources):
+            raise ValueError(
+                "Startup weight-loading overlap requires safetensors checkpoints"
+            )
+        weight_files = sorted(
+            {path for source in resolved_sources for path in source.weight_files}
+        )
+        return _prefetch_all_checkpoints(weight_files, num_threads=num_threads)
+
+    def initialize_model_for_startup(
+        self,
+        *,
+        model_config: ModelConfig,
+        device_config: DeviceConfig,
+    ) -> nn.Module:
+        """Build the final model structure and GPU parameter storage."""
+        target_device = torch.device(device_config.device)
+        quant_config = _get_quantization_config(model_config, self.load_config)
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = _initialize_model(
+                    model_config,
+                    self.load_config,
+                    quant_config,
+                )
+        return model
+
+    def prepare_model_for_capture(
+        self,
+        *,
+        model: nn.Module,
+        model_config: ModelConfig,
+    ) -> nn.Module:
+        """Initialize final storage with values safe for graph warmup.
+
+        Mirrors the post-initialization sequence of ``DummyModelLoader``, except
+        that parameters are filled with a detectable sentinel instead of random
+        values so ``commit_model_weights`` can prove every one of them was
+        replaced.
+
+        Note that this runs ``process_weights_after_loading`` on the sentinel
+        values, and ``commit_model_weights`` runs it again on the real weights,
+        so overlap invokes it once more than the serial path. That is safe for
+        the currently supported matrix, where the CUDA unquantized path is a
+        no-op, and it is not covered by the storage manifest, which proves
+        tensor identity rather than idempotence. Any quantization method that
+        mutates weights in place therefore has to be evaluated here before its
+        configuration is added to the supported set.
+        """
+        with set_default_torch_dtype(model_config.dtype):
+            initialize_capture_safe_weights(model)
+            post_load_weights(model)
+            for _, module in model.named_modules():
+                quant_method = getattr(module, "quant_method", None)
+                if quant_method is None:
+                    continue
+                if (
+                    hasattr(module, "is_weights_quantized")
+                    and module.is_weights_quantized()
+                ):
+                    continue
+                quant_method.process_weights_after_loading(module)
+        return model.eval()
+
+    def commit_model_weights(
+        self,
+        *,
+        model: nn.Module,
+        model_config: ModelConfig,
+        resolved_sources: Tuple[ResolvedSource, ...],
+        target_device: torch.device,
+        startup_prefetch_active: bool,
+    ) -> None:
+        """Load real checkpoint values into a capture-ready model."""
+
+        def weights_iterator():
+            for resolved_source in resolved_sources:
+                yield from self._get_weights_iterator(
+                    resolved_source.source,
+                    resolved_source=resolved_source,
+                    startup_prefetch_started=True,
+                    startup_prefetch_active=startup_prefetch_active,
+                )
+
+        with set_default_torch_dtype(model_config.dtype):
+            self.load_weights_and_postprocess(
+                model,
+                weights_iterator(),
+                target_device,
+            )
+        self.counter_after_loading_weights = time.perf_counter()
 
     def download_model(self, model_config: ModelConfig) -> None:
         self._prepare_weights(
@@ -592,11 +926,19 @@ class DefaultModelLoader(BaseModelLoader):
                 "Please install it with: pip install accelerate"
             )
 
-        hf_config = AutoConfig.from_pretrained(
-            model_config.model_path,
-            trust_remote_code=True,
-            local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE,
-        )
+        try:
+            hf_config = AutoConfig.from_pretrained(
+                model_config.model_path,
+                trust_remote_code=True,
+                local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE,
+            )
+        except (KeyError, ValueError):
+            from sglang.srt.utils.hf_transformers_utils import get_config
+
+            hf_config = get_config(
+                model_config.model_path,
+                trust_remote_code=True,
+            )
         with init_empty_weights():
             torch_dtype = getattr(hf_config, "torch_dtype", torch.float16)
             model = AutoModelForCausalLM.from_config(
@@ -625,6 +967,7 @@ class DefaultModelLoader(BaseModelLoader):
 
         model = AutoModelForCausalLM.from_pretrained(
             model_config.model_path,
+            config=hf_config,
             device_map=device_map,
             **model_kwargs,
             trust_remote_code=True,
@@ -683,20 +1026,78 @@ class DefaultModelLoader(BaseModelLoader):
 
     @staticmethod
     def load_weights_and_postprocess(model, weights, target_device):
-        model.load_weights(weights)
+        DefaultModelLoader.load_weights_only(model, weights, target_device)
+        DefaultModelLoader.postprocess_weights(model, target_device)
 
-        for _, module in model.named_modules():
-            quant_method = getattr(module, "quant_method", None)
-            if quant_method is not None:
-                # When quant methods need to process weights after loading
-                # (for repacking, quantizing, etc), they expect parameters
-                # to be on the global target device. This scope is for the
-                # case where cpu offloading is used, where we will move the
-                # parameters onto device for processing and back off after.
+    @staticmethod
+    def load_weights_only(model, weights, target_device):
+        # Used in tests to verify memory savings when using online quantization.
+        if is_cuda_alike():
+            peak_memory = torch.cuda.max_memory_allocated()
+            logger.debug(
+                "Peak GPU memory before loading weights: %s GiB",
+                f"{peak_memory / GIB_BYTES:.3f}",
+            )
+            memory_start = get_available_gpu_memory(
+                target_device.type, gpu_id=torch.cuda.current_device()
+            )
+
+        quant_config = getattr(model, "quant_config", None)
+        is_nvfp4_online = getattr(quant_config, "is_nvfp4_online", False)
+        is_modelopt_fp4_online = (
+            quant_config is not None
+            and quant_config.get_name() == "modelopt_fp4"
+            and not quant_config.is_checkpoint_nvfp4_serialized
+        )
+        is_mxfp8 = quant_config is not None and quant_config.get_name() == "mxfp8"
+        if is_mxfp8:
+            weights = (
+                (
+                    f"{name}_inv" if name.endswith(".weight_scale") else name,
+                    loaded_weight,
+                )
+                for name, loaded_weight in weights
+            )
+
+        weights = monokernel_weights_iterator(model=model, weights=weights)
+        model.load_weights(weights)
+        if (is_nvfp4_online or is_modelopt_fp4_online) and target_device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+        # Used in tests to verify memory savings when using online quantization.
+        if is_cuda_alike():
+            memory_end = get_available_gpu_memory(
+                target_device.type, gpu_id=torch.cuda.current_device()
+            )
+            logger.debug(
+                "Memory increase during load_weights: %s GiB",
+                f"{memory_start - memory_end:.3f}",
+            )
+
+    @staticmethod
+    def postprocess_weights(model, target_device):
+        if QuantizedRLModelLoader.is_reload_scenario(model):
+            return
+        for module, quant_method in _modules_with_quant_method(model):
+            # When quant methods need to process weights after loading
+            # (for repacking, quantizing, etc), they expect parameters
+            # to be on the global target device. This scope is for the
+            # case where cpu offloading is used, where we will move the
+            # parameters onto device for processing and back off after.
+            with device_loading_context(module, target_device):
+                quant_method.process_weights_after_loading(module)
+
+    @staticmethod
+    def restore_weights_before_loading(model, target_device):
+        """Undo in-place quant packing so fresh weights can be loaded."""
+        if QuantizedRLModelLoader.is_reload_scenario(model):
+            return
+        for module, quant_method in _modules_with_quant_method(model):
+            # AMX packing and the MXFP4 backend wrappers are duck-typed and cannot restore
+            if isinstance(quant_method, QuantizeMethodBase):
                 with device_loading_context(module, target_device):
-                    quant_method.process_weights_after_loading(module)
-                if _is_npu:
-                    torch.npu.empty_cache()
+                    quant_method.restore_weights_before_loading(module)
 
 
 class LayeredModelLoader(DefaultModelLoader):
@@ -714,10 +1115,6 @@ class LayeredModelLoader(DefaultModelLoader):
         model_config: ModelConfig,
         device_config: DeviceConfig,
     ) -> nn.Module:
-        from sglang.srt.layers.torchao_utils import apply_torchao_config_to_model
-        from sglang.srt.server_args import get_global_server_args
-
-        torchao_config = get_global_server_args().torchao_config
         target_device = torch.device(device_config.device)
         quant_config = _get_quantization_config(model_config, self.load_config)
 
@@ -758,30 +1155,20 @@ class LayeredModelLoader(DefaultModelLoader):
                     fqn_path,
                     weights,
                 )
-                # Quantize weights if applicable
-                if torchao_config and "proj" in fqn_path:
-                    # Note: `None` here is needed to indicate no filter, see
-                    # `apply_torchao_config_to_model` for details.
-                    apply_torchao_config_to_model(module, torchao_config, None)
 
             # Start calling on root module
             fill_module(model, [], weights)
-
-        if torchao_config:
-            model.torchao_applied = True
 
         return model.eval()
 
 
 class QuantizedRLModelLoader(DefaultModelLoader):
-    """
-    Model loader for RL training with FP8 quantization (profile-free, native SGLang).
+    """FP8 RL loader for audited Qwen2 (legacy/v2) and Qwen3 native loaders.
 
-    Workflow:
-      1. Initial load: Load base model → Record state → Apply FP8 quantization
-      2. Training Actor in full precision
-      3. Reload: Trainer sends full precision weights → Quantize to FP8 → Copy to original memory
-      4. Use torch.as_strided to preserve memory locations across reloads
+    Initial loads record native parameter loaders before quantization. Reloads
+    invoke the native loader once, deferring FP8 writes; each local destination
+    is staged and quantized into its existing FP8 weight and scale buffers.
+    Unsupported native loaders are rejected before initialization loads weights.
 
     Usage:
       --model-path Qwen/Qwen2.5-7B --quantization fp8 --load-format flash_rl
@@ -797,23 +1184,6 @@ class QuantizedRLModelLoader(DefaultModelLoader):
         "output_dim",
         "input_dim",
         "_assert_and_load",
-    ]
-
-    # Parameters to skip during FP8 quantization (matches FlashRL's exclude_list)
-    SKIP_QUANTIZATION_PARAMS = [
-        "weight_scale",
-        "input_scale",
-        "output_scale",
-        ".bias",
-        "lm_head.weight",
-        "model.norm.weight",
-        "embed_tokens",  # BF16 params
-        "rotary_emb.inv_freq",
-        "rotary_emb.cos_cached",
-        "rotary_emb.sin_cached",
-        "projector",
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",  # LayerNorms
     ]
 
     # Stacked parameters (Qwen2): shards loaded separately, then combined
@@ -833,14 +1203,18 @@ class QuantizedRLModelLoader(DefaultModelLoader):
         self._initial_load_complete = False
 
     def _prepare_weights(
-        self, model_name_or_path: str, revision: Optional[str], fall_back_to_pt: bool
+        self,
+        model_name_or_path: str,
+        revision: Optional[str],
+        fall_back_to_pt: bool,
+        allow_patterns_overrides: Optional[list[str]] = None,
     ):
         """Standard weight preparation using base model path."""
         logger.info(f"[QuantizedRL] Loading from base model: {model_name_or_path}")
         temp_config = LoadConfig(load_format=LoadFormat.AUTO)
         temp_loader = DefaultModelLoader(temp_config)
         return temp_loader._prepare_weights(
-            model_name_or_path, revision, fall_back_to_pt
+            model_name_or_path, revision, fall_back_to_pt, allow_patterns_overrides
         )
 
     @staticmethod
@@ -860,6 +1234,14 @@ class QuantizedRLModelLoader(DefaultModelLoader):
         logger.info("[QuantizedRL] Initial load with FP8 quantization")
 
         original_load_weights = model.load_weights
+        native = getattr(original_load_weights, "__func__", original_load_weights)
+        if getattr(native, "_supports_quantized_rl_reload", None) is not native:
+            raise ValueError(
+                f"FlashRL does not support {type(model).__name__}.load_weights: "
+                "the native loader has not declared the deferred FP8-write contract. "
+                "Supported native loaders are Qwen2ForCausalLM (legacy/v2) and "
+                "Qwen3ForCausalLM; use a regular load format for other models."
+            )
 
         def load_weights_proxy(weights):
             if QuantizedRLModelLoader.is_reload_scenario(model):
@@ -919,331 +1301,179 @@ class QuantizedRLModelLoader(DefaultModelLoader):
         return (
             hasattr(model, "original_weights_rebuild_keys")
             and hasattr(model, "recorded_loader")
-            and getattr(model, "flash_rl_initial_load_complete", False)
+            and getattr(model, "flash_rl_initial_load_complete", False) is True
         )
-
-    @staticmethod
-    def _is_stacked_param(name):
-        """Check if parameter is stacked (qkv_proj, gate_up_proj)."""
-        for stacked_name, _ in QuantizedRLModelLoader.STACKED_PARAMS_MAPPING:
-            if stacked_name in name:
-                return True
-        return False
 
     @staticmethod
     def _resolve_stacked_info(name: str) -> Tuple[str, Optional[str], Optional[Any]]:
         for target, shard_names in QuantizedRLModelLoader.STACKED_PARAMS_MAPPING:
             for idx, shard in enumerate(shard_names):
-                if shard in name:
+                components = name.split(".")
+                if shard in components:
+                    components[components.index(shard)] = target
                     shard_id = (
-                        QuantizedRLModelLoader._QKV_SHARD_ALIASES.get(shard, shard)
+                        QuantizedRLModelLoader._QKV_SHARD_ALIASES[shard]
                         if target == "qkv_proj"
                         else idx
                     )
-                    return name.replace(shard, target), target, shard_id
+                    return ".".join(components), target, shard_id
         return name, None, None
 
     @staticmethod
-    def _store_quantized_scale(
-        scale_store: Dict[str, Union[torch.Tensor, Dict[Any, torch.Tensor]]],
-        name: str,
-        scale: torch.Tensor,
-    ) -> None:
-        param_name, stacked_key, shard_id = (
-            QuantizedRLModelLoader._resolve_stacked_info(name)
-        )
-        if stacked_key is None:
-            scale_store[param_name] = scale
-        else:
-            shard_dict = scale_store.setdefault(param_name, {})
-            assert isinstance(shard_dict, dict)
-            shard_dict[shard_id] = scale
-
-    @staticmethod
-    def _apply_scale_update(
-        all_params: Dict[str, torch.nn.Parameter],
-        param_name: str,
-        scale_info: Union[torch.Tensor, Dict[Any, torch.Tensor], None],
-    ) -> None:
-        if scale_info is None:
-            return
-        # Get tp rank and size
-        tp_rank = get_tensor_model_parallel_rank()
-        tp_size = get_tensor_model_parallel_world_size()
-
-        def _get_tp_sharded_scale(full_scale_tensor):
-            """Get tp sharded scale from full scale tensor"""
-            if tp_size == 1:
-                return full_scale_tensor
-
-            full_dim = full_scale_tensor.shape[0]
-            shard_dim = full_dim // tp_size
-            start_idx = tp_rank * shard_dim
-            end_idx = start_idx + shard_dim
-            return full_scale_tensor[start_idx:end_idx]
-
-        if param_name.endswith(".weight"):
-            scale_param_name = f"{param_name[:-7]}.weight_scale"
-        else:
-            scale_param_name = f"{param_name}.weight_scale"
-
-        scale_param = all_params.get(scale_param_name)
-        if scale_param is None:
-            logger.warning(
-                "[QuantizedRL] Scale parameter not found: %s", scale_param_name
-            )
-            return
-        if isinstance(scale_info, torch.Tensor):
-            new_scale = scale_info.t().contiguous()
-            if scale_param.data.shape == new_scale.shape:
-                scale_param.data.copy_(new_scale)
-            else:
-                logger.warning(
-                    "[QuantizedRL] Scale shape mismatch for %s: expected %s, got %s",
-                    scale_param_name,
-                    scale_param.data.shape,
-                    new_scale.shape,
-                )
-        else:
-            stacked_key = next(
-                (
-                    target
-                    for target, _ in QuantizedRLModelLoader.STACKED_PARAMS_MAPPING
-                    if target in param_name
-                ),
-                None,
-            )
-            shard_names = next(
-                (
-                    names
-                    for target, names in QuantizedRLModelLoader.STACKED_PARAMS_MAPPING
-                    if target == stacked_key
-                ),
-                [],
-            )
-            rows_per_shard = scale_param.data.shape[-1] // max(len(shard_names), 1)
-            if rows_per_shard * len(shard_names) != scale_param.data.shape[-1]:
-                logger.warning(
-                    f"Scale param shape {scale_param.data.shape[-1]} not divisible by {len(shard_names)}"
-                )
-            offset = 0
-            for idx, shard in enumerate(shard_names):
-                shard_id = (
-                    QuantizedRLModelLoader._QKV_SHARD_ALIASES.get(shard, shard)
-                    if stacked_key == "qkv_proj"
-                    else idx
-                )
-                shard_scale = scale_info.get(shard_id)
-                shard_scale = _get_tp_sharded_scale(shard_scale)
-                if shard_scale is None:
-                    offset += rows_per_shard
-                    continue
-                shard_rows = shard_scale.shape[0]
-                start = offset
-                end = start + shard_rows
-                scale_param.data[..., start:end] = shard_scale.t().contiguous()
-                offset = end
-
-    @staticmethod
     def rebinding_and_load_weights(model, first_time_load_weights, weights):
-        """
-        Reload: VERL sends BF16 → Quantize to FP8 → Copy to original memory.
-
-        Flow: Reset params → Restore attributes → Quantize in iterator → Load → Copy back
-        """
-        logger.info("[QuantizedRL] Reload: Updating weights with FP8 quantization")
+        """Shard new BF16 weights natively, then quantize into their original buffers."""
+        from sglang.kernels.ops.quantization.fp8_kernel import (
+            per_token_group_quant_fp8,
+        )
+        from sglang.srt.layers.quantization.fp8_utils import input_to_float8
 
         weights_list = list(weights)
+        for name, _ in weights_list:
+            if name.startswith(("layers.", "embed_tokens.", "norm.")):
+                raise ValueError(
+                    f"FlashRL reload requires canonical checkpoint names: {name!r} "
+                    "must include the 'model.' prefix."
+                )
         updated_param_names, is_last_update = (
             QuantizedRLModelLoader._get_updated_params(weights_list, model)
         )
-
-        # Save current FP8 parameter data pointers
-        existing_params = dict(model.named_parameters())
-        current_param_data = {}
-        for name in updated_param_names:
-            if name in existing_params:
-                current_param_data[name] = existing_params[name].data
-
-        # Reset to pre-quantization shape using torch.as_strided
-        # Keeps same storage, just changes view - critical for memory preservation
-        for name, rebuild_info in model.original_weights_rebuild_keys.items():
-            if name in updated_param_names and name in existing_params:
-                existing_params[name].data = torch.as_strided(
-                    # Note: avoid clone here
-                    existing_params[name].data.clone(),
-                    rebuild_info["shape"],
-                    rebuild_info["stride"],
-                )
-
-        # Restore weight loader attributes (only if missing)
-        for k, loader_dict in model.recorded_loader.items():
-            for param_name, loader in loader_dict.items():
-                if param_name in updated_param_names and param_name in existing_params:
-                    param = existing_params[param_name]
-                    if not hasattr(param, k):
-                        if callable(loader):
-                            if hasattr(loader, "__self__"):
-                                setattr(param, k, loader)
-                            else:
-                                setattr(
-                                    param,
-                                    k,
-                                    QuantizedRLModelLoader._bind_method_to_cls(
-                                        loader, param
-                                    ),
-                                )
-                        else:
-                            setattr(param, k, loader)
-
-        del existing_params
-
-        # Quantize BF16 weights to FP8 in iterator (before weight_loader)
-        # Store scales for later update
-        quantized_scales: Dict[str, Union[torch.Tensor, Dict[Any, torch.Tensor]]] = {}
-
-        def quantize_weights_iterator(weights_iter):
-            """Quantize individual shards before weight_loader stacks them."""
-            from sglang.srt.layers.quantization.fp8_kernel import (
-                per_token_group_quant_fp8,
+        params = dict(model.named_parameters())
+        grouped = collections.defaultdict(list)
+        complete_params = set()
+        for source_name, weight in weights_list:
+            name, _, shard_id = QuantizedRLModelLoader._resolve_stacked_info(
+                source_name
             )
+            grouped[name].append((source_name, weight))
+            if shard_id is None:
+                complete_params.add(name)
 
-            for name, weight in weights_iter:
-                if any(
-                    skip in name
-                    for skip in QuantizedRLModelLoader.SKIP_QUANTIZATION_PARAMS
-                ):
-                    logger.info(f"[QuantizedRL] Skip: {name} ({weight.dtype})")
-                    yield (name, weight)
-                elif weight.dtype in [torch.bfloat16, torch.float32, torch.float16]:
-                    qweight, scale = per_token_group_quant_fp8(weight, weight.shape[-1])
-                    logger.info(f"[QuantizedRL] Quantize: {name} {weight.dtype}→FP8")
-                    QuantizedRLModelLoader._store_quantized_scale(
-                        quantized_scales, name, scale
+        row_masks = {}
+        # Check coverage before modifying any model parameter. Per-tensor
+        # quantization needs the original BF16 values for every destination row.
+        for name, sources in grouped.items():
+            if name not in params or params[name].dtype not in (
+                torch.float8_e4m3fn,
+                torch.float8_e4m3fnuz,
+            ):
+                continue
+            rebuild = model.original_weights_rebuild_keys[name]
+            layer = model.get_submodule(name.rpartition(".")[0])
+            per_channel = layer.weight_scale.shape == (1, rebuild["shape"][0])
+            if name in complete_params:
+                row_masks[name] = (None, per_channel)
+                continue
+            marker = nn.Parameter(
+                torch.zeros((rebuild["shape"][0], 1), device="cpu"), requires_grad=False
+            )
+            marker.output_dim = 0
+            for source_name, weight in sources:
+                _, _, shard_id = QuantizedRLModelLoader._resolve_stacked_info(
+                    source_name
+                )
+                args = () if shard_id is None else (shard_id,)
+                layer.weight_loader(
+                    marker, torch.ones((weight.shape[0], 1), device="cpu"), *args
+                )
+            rows = marker.data[:, 0].bool()
+            if not per_channel and not rows.all():
+                raise ValueError(
+                    f"Partial per-tensor FP8 update for {name}: supply all destination "
+                    "rows in the same update call, including inside a weight-update session."
+                )
+            row_masks[name] = (rows, per_channel)
+
+        # Defer only FP8 writes so one native call preserves cross-key lookups
+        # and the order of non-FP8 loads, including tied embeddings.
+        writes = collections.defaultdict(list)
+        native_loaders = {}
+        for name in row_masks:
+            param = params[name]
+            for key, loaders in model.recorded_loader.items():
+                if name in loaders and not hasattr(param, key):
+                    loader = loaders[name]
+                    setattr(
+                        param,
+                        key,
+                        QuantizedRLModelLoader._bind_method_to_cls(loader, param)
+                        if callable(loader)
+                        else loader,
                     )
-                    yield (name, qweight)
+            native_loaders[name] = param.weight_loader
+
+            def record_write(*args, _name=name, **kwargs):
+                writes[_name].append((args, kwargs))
+
+            param.weight_loader = record_write
+        try:
+            first_time_load_weights(weights_list)
+        finally:
+            for name, loader in native_loaders.items():
+                params[name].weight_loader = loader
+
+        for name, calls in writes.items():
+            param = params[name]
+            data = param.data
+            rebuild = model.original_weights_rebuild_keys[name]
+            layer = model.get_submodule(name.rpartition(".")[0])
+            rows, per_channel = row_masks[name]
+            complete = rows is None or bool(rows.all())
+            staging = torch.empty_strided(
+                rebuild["shape"],
+                rebuild["stride"],
+                dtype=rebuild["dtype"],
+                device=data.device,
+            )
+            param.data = staging
+            try:
+                for args, kwargs in calls:
+                    native_loaders[name](*args, **kwargs)
+                local_weight = torch.as_strided(
+                    data, rebuild["shape"], rebuild["stride"]
+                )
+                if per_channel:
+                    # Untouched rows never pass through dequantization.
+                    if complete:
+                        ranges = [(0, staging.shape[0])]
+                    else:
+                        padded = torch.cat((rows.new_zeros(1), rows, rows.new_zeros(1)))
+                        edges = (padded[1:] != padded[:-1]).nonzero().flatten().tolist()
+                        ranges = zip(edges[::2], edges[1::2])
+                    for begin, end in ranges:
+                        per_token_group_quant_fp8(
+                            staging[begin:end],
+                            staging.shape[-1],
+                            output_q=local_weight[begin:end],
+                            output_s=layer.weight_scale.data[:, begin:end].t(),
+                        )
                 else:
-                    logger.info(f"[QuantizedRL] Keep: {name} ({weight.dtype})")
-                    yield (name, weight)
+                    _, scale = input_to_float8(
+                        staging, dtype=data.dtype, out=local_weight
+                    )
+                    layer.weight_scale.data.copy_(scale)
+            finally:
+                param.data = data
+                # No BF16 destination survives to the next destination or call.
+                del staging
 
-        # Load quantized weights (weight_loader stacks FP8 shards)
-        first_time_load_weights(quantize_weights_iterator(iter(weights_list)))
-
-        # Copy back to original FP8 memory locations and update scales
-        all_params = dict(model.named_parameters())
-
-        for name in updated_param_names:
-            if name not in all_params or name not in current_param_data:
-                continue
-            if any(
-                skip in name for skip in QuantizedRLModelLoader.SKIP_QUANTIZATION_PARAMS
-            ):
-                continue
-
-            new_param = all_params[name]
-            old_fp8_data = current_param_data[name]
-
-            # Handle embeddings/lm_head (BF16) and quantized weights (FP8)
-            if "embed_tokens" in name or "lm_head" in name:
-                old_fp8_data.copy_(new_param.data)
-                new_param.data = old_fp8_data
-            elif (
-                new_param.dtype == torch.float8_e4m3fn
-                and old_fp8_data.dtype == torch.float8_e4m3fn
-            ):
-                # FP8: Use strided view for transposed storage
-                strided_data = torch.as_strided(
-                    new_param.data, old_fp8_data.shape, old_fp8_data.stride()
-                )
-                old_fp8_data.copy_(strided_data)
-                new_param.data = old_fp8_data
-                QuantizedRLModelLoader._apply_scale_update(
-                    all_params,
-                    name,
-                    quantized_scales.get(name),
-                )
-            elif new_param.dtype == old_fp8_data.dtype:
-                # Same dtype (LayerNorm, etc.): Direct copy
-                old_fp8_data.copy_(new_param.data)
-                new_param.data = old_fp8_data
-            else:
-                raise RuntimeError(
-                    f"Unexpected dtype mismatch for {name}: "
-                    f"new={new_param.dtype}, old={old_fp8_data.dtype}"
-                )
-
-        # Cleanup
-        del current_param_data
         if is_last_update:
             gc.collect()
-            torch.cuda.empty_cache()
-
-        logger.info("[QuantizedRL] Reload complete")
+            current_platform.empty_cache()
         return updated_param_names, is_last_update
 
     @staticmethod
     def _get_updated_params(weights_list, model):
-        """Identify which parameters need updating from incoming weights."""
-        stacked_params_mapping = [
-            ("qkv_proj", "q_proj", "q"),
-            ("qkv_proj", "k_proj", "k"),
-            ("qkv_proj", "v_proj", "v"),
-            ("gate_up_proj", "gate_proj", 0),
-            ("gate_up_proj", "up_proj", 1),
-        ]
-
-        params_dict = dict(model.named_parameters())
-        updated_params = set()
+        """Resolve checkpoint names to parameters owned by this model shard."""
+        params = dict(model.named_parameters())
+        updated = set()
         is_last_update = False
-
         for name, _ in weights_list:
             if name == "lm_head.weight":
                 is_last_update = True
-
-            if any(
-                skip in name for skip in QuantizedRLModelLoader.SKIP_QUANTIZATION_PARAMS
-            ):
-                continue
-
-            from sglang.srt.layers.utils import get_layer_id
-
-            # Skip params outside layer range (for pipeline parallelism)
-            layer_id = get_layer_id(name)
-            if (
-                layer_id is not None
-                and hasattr(model, "start_layer")
-                and (layer_id < model.start_layer or layer_id >= model.end_layer)
-            ):
-                continue
-
-            # Skip tied embeddings and vision tower params
-            if (
-                hasattr(model, "config")
-                and model.config.tie_word_embeddings
-                and "lm_head.weight" in name
-            ):
-                continue
-            if name.startswith("model.vision_tower") and name not in params_dict:
-                continue
-
-            # Map stacked param shards (q/k/v_proj → qkv_proj)
-            mapped = False
-            for param_name, weight_name, shard_id in stacked_params_mapping:
-                if weight_name in name:
-                    name = name.replace(weight_name, param_name)
-                    if name.endswith(".bias") and name not in params_dict:
-                        continue
-                    updated_params.add(name)
-                    mapped = True
-                    break
-
-            if not mapped:
-                if name.endswith(".bias") and name not in params_dict:
-                    continue
-                if name in params_dict:
-                    updated_params.add(name)
-
-        return list(updated_params), is_last_update
+            name, _, _ = QuantizedRLModelLoader._resolve_stacked_info(name)
+            if name in params:
+                updated.add(name)
+        return sorted(updated), is_last_update
 
 
 class DummyModelLoader(BaseModelLoader):
@@ -1267,7 +1497,7 @@ class DummyModelLoader(BaseModelLoader):
         device_config: DeviceConfig,
     ) -> nn.Module:
 
-        if get_bool_env_var("SGL_CPU_QUANTIZATION"):
+        if envs.SGLANG_CPU_QUANTIZATION.get():
             return load_model_with_cpu_quantization(
                 self, model_config=model_config, device_config=device_config
             )
@@ -1282,6 +1512,12 @@ class DummyModelLoader(BaseModelLoader):
                     quant_config,
                 )
 
+            # NOTE(woosuk): For accurate performance evaluation, we assign
+            # random values to the weights.
+            initialize_dummy_weights(model)
+
+            post_load_weights(model)
+
             for _, module in model.named_modules():
                 quant_method = getattr(module, "quant_method", None)
                 if quant_method is not None:
@@ -1292,12 +1528,6 @@ class DummyModelLoader(BaseModelLoader):
                     ):
                         continue
                     quant_method.process_weights_after_loading(module)
-
-            # NOTE(woosuk): For accurate performance evaluation, we assign
-            # random values to the weights.
-            initialize_dummy_weights(model)
-
-            post_load_weights(model, model_config)
 
         return model.eval()
 
@@ -1347,6 +1577,15 @@ class ShardedStateLoader(BaseModelLoader):
         result: Dict[str, torch.Tensor] = {}
         for group in same_storage_groups.values():
             for k, t in group:
+                if not t.is_contiguous():
+                    # End-pointer dedup assumes a flat view; non-contiguous
+                    # tensors (e.g. produced by
+                    # ``.transpose(...).contiguous().transpose(...)`` in some
+                    # quant ``post_load_weights`` paths) cannot be flattened
+                    # via ``view(-1)``. Include them directly; downstream
+                    # writers call ``.contiguous()`` before save.
+                    result[k] = t
+                    continue
                 a, b = t.data_ptr(), get_end_ptr(t)
                 for k2, t2 in group:
                     if not t2.is_contiguous():
@@ -1387,8 +1626,6 @@ class ShardedStateLoader(BaseModelLoader):
     ) -> nn.Module:
         from safetensors.torch import safe_open
 
-        from sglang.srt.distributed import get_tensor_model_parallel_rank
-
         local_model_path = self._prepare_weights(
             model_config.model_path, model_config.revision
         )
@@ -1402,7 +1639,7 @@ class ShardedStateLoader(BaseModelLoader):
                     quant_method = getattr(module, "quant_method", None)
                     if quant_method is not None:
                         quant_method.process_weights_after_loading(module)
-            rank = get_tensor_model_parallel_rank()
+            rank = get_parallel().tp_rank
             pattern = os.path.join(
                 local_model_path,
                 self.pattern.format(rank=rank, part="*"),
@@ -1440,7 +1677,7 @@ class ShardedStateLoader(BaseModelLoader):
             if state_dict:
                 raise ValueError(f"Missing keys {tuple(state_dict)} in loaded state!")
 
-            post_load_weights(model, model_config)
+            post_load_weights(model)
 
         return model.eval()
 
@@ -1453,11 +1690,9 @@ class ShardedStateLoader(BaseModelLoader):
     ) -> None:
         from safetensors.torch import save_file
 
-        from sglang.srt.distributed import get_tensor_model_parallel_rank
-
         if pattern is None:
             pattern = ShardedStateLoader.DEFAULT_PATTERN
-        rank = get_tensor_model_parallel_rank()
+        rank = get_parallel().tp_rank
         part_idx = 0
         total_size = 0
         state_dict = ShardedStateLoader._filter_subtensors(model.state_dict())
@@ -1481,6 +1716,829 @@ class ShardedStateLoader(BaseModelLoader):
                 state_dict_part,
                 os.path.join(path, filename),
             )
+
+
+class PreshardedModelLoader(DefaultModelLoader):
+    """Dump/reload post-process weights under ``<model_path>/presharded/<subdir>/``.
+
+    Optional roots in ``model_loader_extra_config`` (subdir still appended):
+    ``presharded_path`` (target), ``draft_presharded_path`` (speculative draft).
+    Dump dir must be shared across ranks/nodes.
+    """
+
+    DEFAULT_SUBDIR = "presharded"
+    MAX_FILE_BYTES = 20 * (1024**3)
+    CHECKSUM_FILENAME = "checksum.json"
+    READY_FILENAME = "READY"
+    TMP_SUBDIR = "_tmp_presharding"
+    PLAN_VERSION = 1
+    DEFAULT_HASH_NUM_THREADS = 8
+    _CONTENT_HASH_HEX_LEN = 32
+
+    def __init__(self, load_config: LoadConfig):
+        extra = (
+            {}
+            if load_config.model_loader_extra_config is None
+            else dict(load_config.model_loader_extra_config)
+        )
+        self._presharded_path_override = extra.pop("presharded_path", None)
+        self._draft_presharded_path_override = extra.pop("draft_presharded_path", None)
+        self._max_file_bytes = int(extra.pop("max_file_bytes", self.MAX_FILE_BYTES))
+        self._hash_num_threads = int(
+            extra.pop("hash_num_threads", self.DEFAULT_HASH_NUM_THREADS)
+        )
+        self._verify_on_load = bool(extra.pop("verify_on_load", False))
+        load_config.model_loader_extra_config = extra
+        load_config.load_format = LoadFormat.AUTO
+        super().__init__(load_config)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        presharded_dir = self._presharded_dir(model_config)
+        if not self._presharded_ready(presharded_dir):
+            super().download_model(model_config)
+
+    def load_model(
+        self,
+        *,
+        model_config: ModelConfig,
+        device_config: DeviceConfig,
+    ) -> nn.Module:
+        shard_config = self._collect_shard_config(model_config)
+        presharded_dir = self._presharded_dir(model_config, shard_config)
+        if self._presharded_ready(presharded_dir) and self._shard_config_matches(
+            presharded_dir, shard_config
+        ):
+            logger.info("Loading from presharded checkpoint at %s", presharded_dir)
+            return self._load_from_presharded(
+                model_config, device_config, presharded_dir
+            )
+        logger.info(
+            "No presharded checkpoint at %s; doing first-time load and dump.",
+            presharded_dir,
+        )
+        return self._first_time_load_and_dump(
+            model_config, device_config, presharded_dir, shard_config
+        )
+
+    @classmethod
+    def _presharded_ready(cls, presharded_dir: str) -> bool:
+        return os.path.isfile(os.path.join(presharded_dir, cls.READY_FILENAME))
+
+    def _presharded_dir(
+        self,
+        model_config: ModelConfig,
+        shard_config: Optional[Dict[str, Any]] = None,
+    ) -> str:
+        if shard_config is None:
+            shard_config = self._collect_shard_config(model_config)
+        subfolder = self._build_subfolder_name(shard_config)
+        if model_config.is_draft_model:
+            root = self._draft_presharded_path_override
+        else:
+            root = self._presharded_path_override
+        if root is None:
+            root = os.path.join(model_config.model_path, self.DEFAULT_SUBDIR)
+        return os.path.join(root, subfolder)
+
+    def _collect_shard_config(self, model_config: ModelConfig) -> Dict[str, Any]:
+        def _safe(fn) -> int:
+            try:
+                return fn()
+            except (AssertionError, AttributeError, RuntimeError, ValueError):
+                return 1
+
+        from sglang.srt.layers.dp_attention import get_moe_cp_size
+
+        parallel = get_parallel()
+        return {
+            "tp": _safe(lambda: parallel.tp_size),
+            "dp": _safe(get_moe_cp_size),
+            "ep": _safe(lambda: parallel.moe_ep_size),
+            "pp": _safe(lambda: parallel.pp_size),
+            "moe_dense_tp_size": parallel.moe_dense_tp_size,
+            "moe_dp_size": get_parallel().moe_dp_size,
+            "enable_dp_lm_head": parallel.enable_dp_lm_head,
+            "enable_fp32_lm_head": get_exec().features.enable_fp32_lm_head,
+            "quantization": model_config.quantization,
+            "model_dtype": str(model_config.dtype),
+            "ep_num_redundant_experts": get_exec().moe.ep_num_redundant_experts,
+            "enable_eplb": get_exec().moe.enable_eplb,
+            "init_expert_location": self._normalize_init_expert_location(
+                get_exec().moe.init_expert_location
+            ),
+            "structural_signature": self._compute_structural_signature(model_config),
+        }
+
+    @staticmethod
+    def _normalize_init_expert_location(value: Optional[str]) -> Optional[str]:
+        if value is None or value == "trivial":
+            return value
+        if value.endswith((".json", ".pt")) and os.path.isfile(value):
+            h = hashlib.sha1()
+            with open(value, "rb") as f:
+                for chunk in iter(lambda: f.read(1024 * 1024), b""):
+                    h.update(chunk)
+            return f"file:{os.path.basename(value)}:sha1:{h.hexdigest()[:16]}"
+        return value
+
+    def _build_subfolder_name(self, shard_config: Dict[str, Any]) -> str:
+        combined = hashlib.sha1(
+            json.dumps(shard_config, sort_keys=True).encode()
+        ).hexdigest()[:16]
+        return f"TP-{shard_config['tp']}-sig-{combined}"
+
+    def _shard_config_matches(
+        self, presharded_dir: str, shard_config: Dict[str, Any]
+    ) -> bool:
+        try:
+            with open(os.path.join(presharded_dir, self.CHECKSUM_FILENAME)) as f:
+                stored = json.load(f).get("shard_config")
+        except (OSError, ValueError):
+            stored = None
+        current = json.loads(json.dumps(shard_config))
+        if stored == current:
+            return True
+        logger.warning(
+            "Presharded checkpoint at %s was dumped with a different shard "
+            "config than the current launch (stored=%s, current=%s). "
+            "Treating as a cache miss and re-dumping.",
+            presharded_dir,
+            stored,
+            current,
+        )
+        return False
+
+    def _compute_structural_signature(self, model_config: ModelConfig) -> Optional[str]:
+        local_sig = self._compute_local_structural_signature(model_config)
+        return self._make_rank_invariant_structural_signature(local_sig)
+
+    def _compute_local_structural_signature(
+        self, model_config: ModelConfig
+    ) -> Optional[str]:
+        from sglang.srt.layers.rotary_embedding.factory import _ROPE_DICT
+
+        def _clear_meta_rope_cache() -> None:
+            meta_keys = [
+                k
+                for k, v in _ROPE_DICT.items()
+                if any(p.device.type == "meta" for p in v.parameters())
+                or any(b.device.type == "meta" for b in v.buffers())
+            ]
+            for k in meta_keys:
+                del _ROPE_DICT[k]
+
+        try:
+            quant_config = _get_quantization_config(model_config, self.load_config)
+            with set_default_torch_dtype(model_config.dtype):
+                with torch.device("meta"):
+                    meta_model = _initialize_model(
+                        model_config, self.load_config, quant_config
+                    )
+                state_dict = meta_model.state_dict()
+                sig_input = sorted(
+                    (name, tuple(t.shape), str(t.dtype))
+                    for name, t in state_dict.items()
+                )
+            del meta_model
+            return self._hash_structural_signature(sig_input)
+        except Exception as e:
+            logger.warning(
+                "Failed to build structural signature for presharded cache key "
+                "(model_type=%s): %s",
+                getattr(
+                    getattr(model_config, "hf_config", None), "model_type", "unknown"
+                ),
+                e,
+            )
+            return None
+        finally:
+            _clear_meta_rope_cache()
+
+    @classmethod
+    def _make_rank_invariant_structural_signature(
+        cls, local_sig: Optional[str]
+    ) -> Optional[str]:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            group = get_parallel().world_group
+            if group.world_size <= 1:
+                return local_sig
+            all_sigs = group.all_gather_object(local_sig)
+        except (AssertionError, AttributeError, RuntimeError):
+            return local_sig
+
+        if all(s is None for s in all_sigs):
+            return None
+        return hashlib.sha1(repr(all_sigs).encode()).hexdigest()[:16]
+
+    @staticmethod
+    def _hash_structural_signature(
+        sig_input: List[Tuple[str, Tuple[int, ...], str]],
+    ) -> str:
+        h = hashlib.sha1(repr(sig_input).encode())
+        return h.hexdigest()[:16]
+
+    @staticmethod
+    def _world_rank_and_size() -> Tuple[int, int]:
+        from sglang.srt.runtime_context import get_parallel
+
+        try:
+            g = get_parallel().world_group
+            return g.rank_in_group, g.world_size
+        except (AssertionError, AttributeError, RuntimeError):
+            return 0, 1
+
+    @staticmethod
+    def _world_barrier() -> None:
+        from sglang.srt.runtime_context import get_parallel
+
+        try:
+            get_parallel().world_group.barrier()
+        except (AssertionError, AttributeError, RuntimeError):
+            pass
+
+    @staticmethod
+    def _new_content_hasher():
+        import xxhash
+
+        return xxhash.xxh3_128()
+
+    @staticmethod
+    def _hash_tensor(tensor: torch.Tensor) -> str:
+        # CPU copy so concurrent dump workers cannot race CUDA D2H hashing.
+        t = tensor.detach()
+        prefix = str(tuple(t.shape)).encode() + str(t.dtype).encode()
+        h = PreshardedModelLoader._new_content_hasher()
+        h.update(prefix)
+
+        if t.numel() == 0:
+            return h.hexdigest()
+
+        cpu = t.contiguous().to(device="cpu", copy=True).contiguous()
+        flat_u8 = cpu.reshape(-1).view(torch.uint8)
+        h.update(memoryview(flat_u8.numpy()))
+        return h.hexdigest()
+
+    def _verify_rank_checksum(
+        self,
+        verify_hashes: List[Tuple[str, str]],
+        plan: Dict[str, Any],
+        rank: int,
+        presharded_dir: str,
+    ) -> None:
+        expected = plan.get("rank_checksums", {}).get(str(rank))
+        if expected is None:
+            raise ValueError(
+                f"Plan at {presharded_dir} has no rank_checksums entry for "
+                f"rank {rank}; cannot verify. Set "
+                f"--model-loader-extra-config '{{\"verify_on_load\": false}}' "
+                f"to skip verification, or re-dump the checkpoint."
+            )
+
+        total = 0
+        for name, content_hash in verify_hashes:
+            d = PreshardedModelLoader._fold_name_content_digest(name, content_hash)
+            total = (total + int.from_bytes(d[:8], "big")) & 0xFFFFFFFFFFFFFFFF
+        actual = format(total, "016x")
+
+        if actual != expected:
+            raise ValueError(
+                f"Rank-{rank} checksum mismatch for presharded checkpoint at "
+                f"{presharded_dir}: expected {expected}, got {actual}. The "
+                f"checkpoint files may be corrupted; re-dump or skip "
+                f"verification with --model-loader-extra-config "
+                f"'{{\"verify_on_load\": false}}'."
+            )
+
+    @staticmethod
+    def _fold_name_content_digest(name: str, content_hash: str) -> bytes:
+        h = PreshardedModelLoader._new_content_hasher()
+        h.update((name + ":" + content_hash).encode("utf-8"))
+        return h.digest()
+
+    @staticmethod
+    def _collect_extra_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
+        seen: set = set()
+        param_storages: set = set()
+        for name, tensor in model.state_dict().items():
+            seen.add(name)
+            if tensor.numel() > 0:
+                param_storages.add((tensor.device, tensor.untyped_storage().data_ptr()))
+        extras: Dict[str, torch.Tensor] = {}
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for attr_name in list(vars(module).keys()):
+                if attr_name.startswith("_"):
+                    continue
+                try:
+                    val = getattr(module, attr_name)
+                except AttributeError:
+                    continue
+                if isinstance(val, torch.Tensor) and not isinstance(
+                    val, torch.nn.Parameter
+                ):
+                    full_name = f"{prefix}{attr_name}"
+                    if full_name in seen:
+                        continue
+                    if val.numel() > 0:
+                        key = (val.device, val.untyped_storage().data_ptr())
+                        if key in param_storages:
+                            continue
+                    extras[full_name] = val
+        return extras
+
+    @staticmethod
+    def _rebind_parameter_aliases(model: nn.Module) -> None:
+        for _, module in model.named_modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.refresh_gemma_weight()
+
+            attn = getattr(module, "attn", None)
+            conv1d = getattr(module, "conv1d", None)
+            if attn is None:
+                continue
+            if hasattr(module, "A_log") and hasattr(attn, "A_log"):
+                attn.A_log = module.A_log
+            if hasattr(module, "dt_bias") and hasattr(attn, "dt_bias"):
+                attn.dt_bias = module.dt_bias
+            if conv1d is None:
+                continue
+            cweight = getattr(conv1d, "weight", None)
+            if cweight is not None and isinstance(attn, RadixLinearAttention):
+                attn.refresh_conv_weights(cweight)
+            if hasattr(conv1d, "bias") and hasattr(attn, "bias"):
+                attn.bias = conv1d.bias
+
+    def _ensure_presharded_dir_writable(self, presharded_dir: str) -> None:
+        rank, _ = self._world_rank_and_size()
+        try:
+            os.makedirs(presharded_dir, exist_ok=True)
+            if rank == 0:
+                probe = os.path.join(presharded_dir, ".presharded_write_probe")
+                last_err: Optional[OSError] = None
+                for _ in range(5):
+                    try:
+                        with open(probe, "w") as f:
+                            f.write("ok")
+                        os.unlink(probe)
+                        last_err = None
+                        break
+                    except OSError as e:
+                        last_err = e
+                        os.makedirs(presharded_dir, exist_ok=True)
+                        time.sleep(0.05)
+                if last_err is not None:
+                    raise last_err
+        except OSError as e:
+            raise RuntimeError(
+                f"Presharded dump directory is not writable: {presharded_dir}. "
+                "Set model_loader_extra_config "
+                '\'{"presharded_path": "..."}\' (or draft_presharded_path for '
+                "the draft model) to a writable shared filesystem path. "
+                f"Original error: {e}"
+            ) from e
+        self._world_barrier()
+
+    def _first_time_load_and_dump(
+        self,
+        model_config: ModelConfig,
+        device_config: DeviceConfig,
+        presharded_dir: str,
+        shard_config: Dict[str, Any],
+    ) -> nn.Module:
+        self._ensure_presharded_dir_writable(presharded_dir)
+        target_device = torch.device(device_config.device)
+        quant_config = _get_quantization_config(model_config, self.load_config)
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = _initialize_model(model_config, self.load_config, quant_config)
+            self.load_weights_and_postprocess(
+                model,
+                self._get_all_weights(model_config, model),
+                target_device,
+            )
+
+            state_dict = dict(model.state_dict())
+            extras = self._collect_extra_tensors(model)
+            self._dump_state_to_disk(state_dict, extras, presharded_dir, shard_config)
+            del state_dict
+            del extras
+            gc.collect()
+
+        self.counter_after_loading_weights = time.perf_counter()
+        return model.eval()
+
+    def _dump_state_to_disk(
+        self,
+        state_dict: Dict[str, torch.Tensor],
+        extras: Dict[str, torch.Tensor],
+        presharded_dir: str,
+        shard_config: Dict[str, Any],
+    ) -> None:
+        rank, world_size = self._world_rank_and_size()
+        tmp_dir = os.path.join(presharded_dir, self.TMP_SUBDIR)
+        if rank == 0:
+            ready_path = os.path.join(presharded_dir, self.READY_FILENAME)
+            if os.path.isfile(ready_path):
+                os.unlink(ready_path)
+            os.makedirs(tmp_dir, exist_ok=True)
+        self._world_barrier()
+
+        items: List[Tuple[str, torch.Tensor, bool]] = []
+        items.extend((n, t, False) for n, t in state_dict.items())
+        items.extend((n, t, True) for n, t in extras.items())
+
+        def _entry(item: Tuple[str, torch.Tensor, bool]) -> Tuple[str, Dict[str, Any]]:
+            name, tensor, is_extra = item
+            return name, {
+                "checksum": self._hash_tensor(tensor),
+                "size": tensor.numel() * tensor.element_size(),
+                "dtype": str(tensor.dtype),
+                "shape": list(tensor.shape),
+                "is_extra": is_extra,
+            }
+
+        manifest: Dict[str, Dict[str, Any]] = {}
+        num_workers = min(max(1, len(items)), self._hash_num_threads)
+        if num_workers <= 1:
+            for it in items:
+                name, info = _entry(it)
+                manifest[name] = info
+        else:
+            with concurrent.futures.ThreadPoolExecutor(
+                max_workers=num_workers,
+                thread_name_prefix="presharded-hash",
+            ) as ex:
+                for name, info in ex.map(_entry, items):
+                    manifest[name] = info
+
+        with open(os.path.join(tmp_dir, f"manifest_{rank:05d}.json"), "w") as f:
+            json.dump(manifest, f)
+        self._world_barrier()
+
+        if rank == 0:
+            plan = self._build_dump_plan(world_size, tmp_dir, self._max_file_bytes)
+            plan["shard_config"] = shard_config
+            with open(os.path.join(presharded_dir, self.CHECKSUM_FILENAME), "w") as f:
+                json.dump(plan, f, indent=2)
+        self._world_barrier()
+
+        with open(os.path.join(presharded_dir, self.CHECKSUM_FILENAME)) as f:
+            plan = json.load(f)
+        all_tensors = {**state_dict, **extras}
+        self._dump_files_for_rank(all_tensors, plan, rank, presharded_dir)
+        self._world_barrier()
+
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            ready_path = os.path.join(presharded_dir, self.READY_FILENAME)
+            with open(ready_path, "w") as f:
+                json.dump(
+                    {
+                        "plan_version": self.PLAN_VERSION,
+                        "world_size": world_size,
+                        "created_at": time.time(),
+                    },
+                    f,
+                )
+        self._world_barrier()
+
+    @staticmethod
+    def _make_filename(
+        file_id: int, rank_list: Tuple[int, ...], is_common: bool
+    ) -> str:
+        if is_common:
+            return f"model-{file_id:05d}-common.safetensor"
+        rank_str = ",".join(f"{r:03d}" for r in rank_list)
+        return f"model-{file_id:05d}-rank-{rank_str}.safetensor"
+
+    @classmethod
+    def _build_dump_plan(
+        cls, world_size: int, tmp_dir: str, max_file_bytes: int
+    ) -> Dict[str, Any]:
+        rank_to_manifest: Dict[int, Dict[str, Dict[str, Any]]] = {}
+        for r in range(world_size):
+            manifest_path = os.path.join(tmp_dir, f"manifest_{r:05d}.json")
+            try:
+                with open(manifest_path) as f:
+                    rank_to_manifest[r] = json.load(f)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(
+                    f"Rank {r} did not write {manifest_path}. The presharded "
+                    "dump directory must be on a filesystem shared by all "
+                    "ranks/nodes (set presharded_path / draft_presharded_path "
+                    "to a shared path if model_path is node-local)."
+                ) from e
+
+        checksum_to_entries: Dict[str, List[Tuple[int, str, Dict[str, Any]]]] = (
+            collections.defaultdict(list)
+        )
+        name_to_is_extra: Dict[Tuple[int, str], bool] = {}
+        for r, manifest in rank_to_manifest.items():
+            for name, info in manifest.items():
+                checksum_to_entries[info["checksum"]].append((r, name, info))
+                name_to_is_extra[(r, name)] = bool(info.get("is_extra", False))
+
+        tensor_records: List[Dict[str, Any]] = []
+        for checksum, entries in checksum_to_entries.items():
+            sizes = {info["size"] for _, _, info in entries}
+            if len(sizes) != 1:
+                raise RuntimeError(
+                    f"Checksum {checksum} maps to inconsistent sizes {sizes}; "
+                    f"this indicates a hash collision or stale manifest."
+                )
+            size = next(iter(sizes))
+            ranks = sorted({r for r, _, _ in entries})
+            rank_to_names: Dict[str, List[str]] = collections.defaultdict(list)
+            for r, n, _ in entries:
+                rank_to_names[str(r)].append(n)
+            tensor_records.append(
+                {
+                    "checksum": checksum,
+                    "size": size,
+                    "rank_list": ranks,
+                    "rank_to_names": {k: sorted(v) for k, v in rank_to_names.items()},
+                }
+            )
+
+        by_rank_list: Dict[Tuple[int, ...], List[Dict[str, Any]]] = (
+            collections.defaultdict(list)
+        )
+        for rec in tensor_records:
+            by_rank_list[tuple(rec["rank_list"])].append(rec)
+
+        files: List[Dict[str, Any]] = []
+        next_file_id = 0
+        for rank_tuple, recs in by_rank_list.items():
+            recs.sort(key=lambda r: -r["size"])
+            is_common = len(rank_tuple) == world_size and rank_tuple == tuple(
+                range(world_size)
+            )
+            writer_load = {wr: 0 for wr in rank_tuple}
+            writer_records: Dict[int, List[Dict[str, Any]]] = {
+                wr: [] for wr in rank_tuple
+            }
+            for rec in recs:
+                wr = min(rank_tuple, key=lambda r: writer_load[r])
+                writer_records[wr].append(rec)
+                writer_load[wr] += rec["size"]
+
+            for wr, wr_recs in writer_records.items():
+                cur_size = 0
+                cur_tensors: List[Dict[str, Any]] = []
+                for rec in wr_recs:
+                    if cur_tensors and cur_size + rec["size"] > max_file_bytes:
+                        files.append(
+                            {
+                                "filename": cls._make_filename(
+                                    next_file_id, rank_tuple, is_common
+                                ),
+                                "writer_rank": wr,
+                                "rank_list": (None if is_common else list(rank_tuple)),
+                                "is_common": is_common,
+                                "tensors": cur_tensors,
+                            }
+                        )
+                        next_file_id += 1
+                        cur_size = 0
+                        cur_tensors = []
+                    cur_tensors.append(
+                        {
+                            "stored_key": rec["checksum"],
+                            "size": rec["size"],
+                            "rank_to_names": rec["rank_to_names"],
+                        }
+                    )
+                    cur_size += rec["size"]
+                if cur_tensors:
+                    files.append(
+                        {
+                            "filename": cls._make_filename(
+                                next_file_id, rank_tuple, is_common
+                            ),
+                            "writer_rank": wr,
+                            "rank_list": (None if is_common else list(rank_tuple)),
+                            "is_common": is_common,
+                            "tensors": cur_tensors,
+                        }
+                    )
+                    next_file_id += 1
+
+        rank_to_reads: Dict[int, List[Dict[str, Any]]] = collections.defaultdict(list)
+        for f in files:
+            for t in f["tensors"]:
+                for r_str, names in t["rank_to_names"].items():
+                    for name in names:
+                        rank_to_reads[int(r_str)].append(
+                            {
+                                "filename": f["filename"],
+                                "stored_key": t["stored_key"],
+                                "name": name,
+                                "is_extra": name_to_is_extra.get(
+                                    (int(r_str), name), False
+                                ),
+                            }
+                        )
+
+        rank_checksums: Dict[str, str] = {}
+        for r in range(world_size):
+            total = 0
+            for rec in rank_to_reads.get(r, []):
+                d = cls._fold_name_content_digest(rec["name"], rec["stored_key"])
+                total = (total + int.from_bytes(d[:8], "big")) & 0xFFFFFFFFFFFFFFFF
+            rank_checksums[str(r)] = format(total, "016x")
+
+        return {
+            "version": cls.PLAN_VERSION,
+            "world_size": world_size,
+            "files": files,
+            "rank_to_reads": {str(r): v for r, v in rank_to_reads.items()},
+            "rank_checksums": rank_checksums,
+        }
+
+    def _dump_files_for_rank(
+        self,
+        state_dict: Dict[str, torch.Tensor],
+        plan: Dict[str, Any],
+        rank: int,
+        presharded_dir: str,
+    ) -> None:
+        from safetensors.torch import save_file
+
+        for f in plan["files"]:
+            if f["writer_rank"] != rank:
+                continue
+            tensors_to_save: Dict[str, torch.Tensor] = {}
+            for t in f["tensors"]:
+                names_for_this_rank = t["rank_to_names"].get(str(rank))
+                if not names_for_this_rank:
+                    raise RuntimeError(
+                        f"writer_rank {rank} is missing tensor {t['stored_key']} "
+                        f"for file {f['filename']}; plan is inconsistent."
+                    )
+                name_for_this_rank = names_for_this_rank[0]
+                tensor = (
+                    state_dict[name_for_this_rank]
+                    .detach()
+                    .to(device="cpu", copy=False)
+                    .contiguous()
+                )
+                tensors_to_save[t["stored_key"]] = tensor
+            save_file(tensors_to_save, os.path.join(presharded_dir, f["filename"]))
+
+    @staticmethod
+    def _read_presharded_file(
+        full_path: str, stored_keys: List[str]
+    ) -> Dict[str, torch.Tensor]:
+        from safetensors.torch import safe_open
+
+        with safe_open(full_path, framework="pt") as fh:
+            return {key: fh.get_tensor(key) for key in stored_keys}
+
+    def _apply_presharded_file(
+        self,
+        *,
+        items: List[Dict[str, Any]],
+        cached: Dict[str, torch.Tensor],
+        model: nn.Module,
+        state_dict: Dict[str, torch.Tensor],
+        target_device: torch.device,
+        loaded_param_keys: set,
+        verify_hashes: List[Tuple[str, str]],
+    ) -> None:
+        if self._verify_on_load:
+            keys = list(cached.keys())
+            n_workers = min(max(1, len(keys)), self._hash_num_threads)
+
+            def _hash_one(key, _cached=cached):
+                return key, self._hash_tensor(_cached[key])
+
+            if n_workers <= 1:
+                key_to_hash = dict(_hash_one(k) for k in keys)
+            else:
+                with concurrent.futures.ThreadPoolExecutor(
+                    max_workers=n_workers,
+                    thread_name_prefix="presharded-verify",
+                ) as ex:
+                    key_to_hash = dict(ex.map(_hash_one, keys))
+            for r in items:
+                verify_hashes.append((r["name"], key_to_hash[r["stored_key"]]))
+
+        for r in items:
+            tensor = cached[r["stored_key"]]
+            if r.get("is_extra"):
+                module_path, _, attr_name = r["name"].rpartition(".")
+                module = model.get_submodule(module_path) if module_path else model
+                if hasattr(module, attr_name):
+                    try:
+                        delattr(module, attr_name)
+                    except AttributeError:
+                        pass
+                setattr(module, attr_name, tensor.to(target_device))
+                continue
+            if r["name"] not in state_dict:
+                continue
+            param_data = state_dict[r["name"]].data
+            param_shape = state_dict[r["name"]].shape
+            for dim, size in enumerate(tensor.shape):
+                if size < param_shape[dim]:
+                    param_data = param_data.narrow(dim, 0, size)
+            if tensor.shape != param_data.shape:
+                raise ValueError(
+                    f"Presharded tensor shape mismatch for '{r['name']}': "
+                    f"dumped {tuple(tensor.shape)} vs parameter slice "
+                    f"{tuple(param_data.shape)} (full param {tuple(param_shape)}). "
+                    "Re-dump with matching quant/parallel config, or set "
+                    "verify_on_load and check process_weights_after_loading."
+                )
+            param_data.copy_(tensor)
+            loaded_param_keys.add(r["name"])
+
+        cached.clear()
+        del cached
+
+    def _load_from_presharded(
+        self,
+        model_config: ModelConfig,
+        device_config: DeviceConfig,
+        presharded_dir: str,
+    ) -> nn.Module:
+        target_device = torch.device(device_config.device)
+        quant_config = _get_quantization_config(model_config, self.load_config)
+
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = _initialize_model(model_config, self.load_config, quant_config)
+
+            for _, module in model.named_modules():
+                quant_method = getattr(module, "quant_method", None)
+                if quant_method is not None:
+                    with device_loading_context(module, target_device):
+                        quant_method.process_weights_after_loading(module)
+
+            rank, _ = self._world_rank_and_size()
+            with open(os.path.join(presharded_dir, self.CHECKSUM_FILENAME)) as f:
+                plan = json.load(f)
+            if plan.get("version") != self.PLAN_VERSION:
+                raise ValueError(
+                    f"Unsupported presharded plan version {plan.get('version')!r} "
+                    f"at {presharded_dir}; expected {self.PLAN_VERSION}."
+                )
+
+            state_dict = dict(model.state_dict())
+            reads = plan.get("rank_to_reads", {}).get(str(rank), [])
+
+            by_file: Dict[str, List[Dict[str, Any]]] = collections.defaultdict(list)
+            for r in reads:
+                by_file[r["filename"]].append(r)
+
+            loaded_param_keys: set = set()
+            verify_hashes: List[Tuple[str, str]] = []
+            for filename, items in by_file.items():
+                stored_keys = list(dict.fromkeys(r["stored_key"] for r in items))
+                cached = self._read_presharded_file(
+                    os.path.join(presharded_dir, filename), stored_keys
+                )
+                self._apply_presharded_file(
+                    items=items,
+                    cached=cached,
+                    model=model,
+                    state_dict=state_dict,
+                    target_device=target_device,
+                    loaded_param_keys=loaded_param_keys,
+                    verify_hashes=verify_hashes,
+                )
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+            loaded_storages: set = set()
+            for k in loaded_param_keys:
+                t = state_dict[k]
+                if t.numel() > 0:
+                    loaded_storages.add((t.device, t.untyped_storage().data_ptr()))
+            missing = []
+            for k, t in state_dict.items():
+                if k in loaded_param_keys:
+                    continue
+                if t.numel() == 0:
+                    continue
+                storage_key = (t.device, t.untyped_storage().data_ptr())
+                if storage_key not in loaded_storages:
+                    missing.append(k)
+            if missing:
+                raise ValueError(
+                    f"Missing keys {tuple(sorted(missing))} in presharded "
+                    f"checkpoint at {presharded_dir}."
+                )
+
+            self._rebind_parameter_aliases(model)
+
+            if self._verify_on_load:
+                self._verify_rank_checksum(verify_hashes, plan, rank, presharded_dir)
+
+        self.counter_after_loading_weights = time.perf_counter()
+        return model.eval()
 
 
 class BitsAndBytesModelLoader(BaseModelLoader):
@@ -1738,7 +2796,6 @@ class BitsAndBytesModelLoader(BaseModelLoader):
         for weight_name, weight_tensor in self._hf_weight_iter(
             hf_weights_files, use_safetensors
         ):
-
             if self._is_4bit_weight_name(weight_name):
                 continue
 
@@ -1756,13 +2813,12 @@ class BitsAndBytesModelLoader(BaseModelLoader):
     ) -> Generator:
         from bitsandbytes.functional import quantize_4bit
 
-        tp_size = get_tensor_model_parallel_world_size()
-        tp_rank = get_tensor_model_parallel_rank()
+        tp_size = get_parallel().tp_size
+        tp_rank = get_parallel().tp_rank
 
         for weight_name, weight_tensor in self._hf_weight_iter(
             hf_weights_files, use_safetensors
         ):
-
             if any(
                 target_module in weight_name for target_module in self.target_modules
             ) and weight_name.endswith(".weight"):
@@ -1772,7 +2828,6 @@ class BitsAndBytesModelLoader(BaseModelLoader):
                     module in weight_name
                     for module in self.column_parallel_weights_modules
                 ):
-
                     total_size = weight_tensor.size(-1)
                     start_index = total_size // tp_size * tp_rank
                     end_index = total_size // tp_size * (tp_rank + 1)
@@ -1833,7 +2888,7 @@ class BitsAndBytesModelLoader(BaseModelLoader):
         self.model_type = type(model).__name__
 
         logger.info(
-            "Loading weights with BitsAndBytes quantization. " " May take a while ..."
+            "Loading weights with BitsAndBytes quantization.  May take a while ..."
         )
 
         quant_config = getattr(model_config.hf_config, "quantization_config", None)
@@ -1845,13 +2900,12 @@ class BitsAndBytesModelLoader(BaseModelLoader):
                 pre_quant = True
             else:
                 raise ValueError(
-                    f"BitsAndBytes loader does not support {quant_method} "
-                    "quantization"
+                    f"BitsAndBytes loader does not support {quant_method} quantization"
                 )
 
         # The quant_states in pre_quantized models cannot work with a split
         # weight tensor. So TP does not work with pre_quantized bnb models.
-        if pre_quant and get_tensor_model_parallel_world_size() > 1:
+        if pre_quant and get_parallel().tp_size > 1:
             raise ValueError(
                 "Prequant BitsAndBytes models with TP is not supported."
                 "Please try with PP."
@@ -1867,7 +2921,7 @@ class BitsAndBytesModelLoader(BaseModelLoader):
 
         model.load_weights(qweight_iterator)
 
-        torch.cuda.empty_cache()
+        current_platform.empty_cache()
 
         param_dict = dict(model.named_parameters())
         stacked_quant_state_dict: Dict[str, Dict[int, Any]] = {}
@@ -2002,11 +3056,19 @@ class GGUFModelLoader(BaseModelLoader):
                 "Please install gguf via `pip install gguf` to use gguf quantizer."
             ) from err
 
+        from sglang.srt.model_loader.gguf_name_maps import GGUF_HF_NAME_MAP_BUILDERS
+
         config = model_config.hf_config
         model_type = config.model_type
+        name_map_builder = GGUF_HF_NAME_MAP_BUILDERS.get(model_type)
+        if name_map_builder is not None:
+            return name_map_builder(config)
+
         # hack: ggufs have a different name than transformers
         if model_type == "cohere":
             model_type = "command-r"
+        elif model_type == "qwen3_moe":
+            model_type = "qwen3moe"
         arch = None
         for key, value in gguf.MODEL_ARCH_NAMES.items():
             if value == model_type:
@@ -2073,10 +3135,27 @@ class RemoteInstanceModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         if load_config.model_loader_extra_config:
-            raise ValueError(
-                f"Model loader extra config is not supported for "
-                f"load format {load_config.load_format}"
-            )
+            if (
+                load_config.remote_instance_weight_loader_backend
+                == RemoteInstanceWeightLoaderBackend.MODELEXPRESS
+            ):
+                # ModelExpress falls back to a DefaultModelLoader whenever no
+                # peer holds the weights, so it consumes this config; validate
+                # the keys here so a bad one fails on every rank instead of only
+                # on the ranks that end up taking the fallback.
+                _validate_default_loader_extra_config(
+                    extra_config=load_config.model_loader_extra_config,
+                    load_format=load_config.load_format,
+                )
+            else:
+                # nccl and transfer_engine replace the native loader outright,
+                # so nothing would ever read the config.
+                raise ValueError(
+                    f"Model loader extra config is not supported for "
+                    f"load format {load_config.load_format} with "
+                    f"remote instance weight loader backend "
+                    f"{load_config.remote_instance_weight_loader_backend}"
+                )
         self.remote_instance_transfer_engine_weight_info = None
 
     def download_model(self, model_config: ModelConfig) -> None:
@@ -2148,6 +3227,23 @@ class RemoteInstanceModelLoader(BaseModelLoader):
                 raise RuntimeError(
                     "Failed to load weights from remote instance via transfer engine."
                 )
+        elif (
+            load_config.remote_instance_weight_loader_backend
+            == RemoteInstanceWeightLoaderBackend.MODELEXPRESS
+        ):
+            try:
+                from modelexpress.engines.sglang.loader import MxModelLoader
+            except ImportError as exc:
+                raise ImportError(
+                    "ModelExpress support requires the 'modelexpress' "
+                    "package. Install it in the SGLang image."
+                ) from exc
+
+            model = MxModelLoader(load_config).load_model(
+                model=model,
+                model_config=model_config,
+                device_config=device_config,
+            )
         else:
             raise ValueError("Invalid remote instance weight loader backend.")
 
@@ -2164,7 +3260,7 @@ class RemoteInstanceModelLoader(BaseModelLoader):
             tp_rank=load_config.tp_rank,
             instance_ip=instance_ip,
         )
-        torch.cuda.synchronize()
+        current_platform.synchronize()
         end_build_group_tic = time.time()
         logger.debug(
             f"finish building group for remote instance, time used: {(end_build_group_tic - start_build_group_tic):.4f}s"
@@ -2190,10 +3286,9 @@ class RemoteInstanceModelLoader(BaseModelLoader):
                     src=0,
                     group=client._model_update_group,
                 )
-            torch.cuda.synchronize()
+            current_platform.synchronize()
 
-            if hasattr(model, "post_load_weights"):
-                model.post_load_weights()
+            post_load_weights(model)
         end_get_weights_tic = time.time()
         logger.debug(
             f"finish getting all weights from remote instance, time used: {(end_get_weights_tic - start_get_weights_tic):.4f}s"
@@ -2202,7 +3297,7 @@ class RemoteInstanceModelLoader(BaseModelLoader):
         torch.distributed.distributed_c10d.destroy_process_group(
             client._model_update_group
         )
-        torch.cuda.empty_cache()
+        current_platform.empty_cache()
 
     def load_model_from_remote_instance_by_transfer_engine(
         self, model, transfer_engine, seed_url, tp_rank
@@ -2256,8 +3351,7 @@ class RemoteInstanceModelLoader(BaseModelLoader):
             logger.error(f"batch transfer failed, error: {ret}")
             return False
 
-        if hasattr(model, "post_load_weights"):
-            model.post_load_weights()
+        post_load_weights(model)
 
         return True
 
@@ -2276,7 +3370,7 @@ class RemoteModelLoader(BaseModelLoader):
     ) -> Generator[Tuple[str, torch.Tensor], None, None]:
         """Get an iterator for the model weights from remote storage."""
         assert get_connector_type(client) == ConnectorType.KV
-        rank = get_tensor_model_parallel_rank()
+        rank = get_parallel().tp_rank
         return client.weight_iterator(rank)
 
     def _get_weights_iterator_fs(
@@ -2299,7 +3393,7 @@ class RemoteModelLoader(BaseModelLoader):
         with create_remote_connector(url) as client:
             assert get_connector_type(client) == ConnectorType.KV
             model_name = parse_model_name(url)
-            rank = get_tensor_model_parallel_rank()
+            rank = get_parallel().tp_rank
             state_dict = ShardedStateLoader._filter_subtensors(model.state_dict())
             for key, tensor in state_dict.items():
                 r_key = f"{model_name}/keys/rank_{rank}/{key}"
@@ -2337,7 +3431,7 @@ class RemoteModelLoader(BaseModelLoader):
                     param_data = param_data.narrow(dim, 0, size)
             if tensor.shape != param_shape:
                 logger.warning(
-                    "loading tensor of shape %s into " "parameter '%s' of shape %s",
+                    "loading tensor of shape %s into parameter '%s' of shape %s",
                     tensor.shape,
                     key,
                     param_shape,
@@ -2347,7 +3441,7 @@ class RemoteModelLoader(BaseModelLoader):
         if state_dict:
             raise ValueError(f"Missing keys {tuple(state_dict)} in loaded state!")
 
-        post_load_weights(model, model_config)
+        post_load_weights(model)
 
     def _load_model_from_remote_fs(
         self, model, client, model_config: ModelConfig, device_config: DeviceConfig
@@ -2443,6 +3537,110 @@ def load_model_with_cpu_quantization(
     return model.eval()
 
 
+class IncModelLoader(DefaultModelLoader):
+    """
+    Model loader that applies Intel AutoRound quantization
+    """
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+
+    def load_model(
+        self,
+        *,
+        model_config: ModelConfig,
+        device_config: DeviceConfig,
+    ) -> nn.Module:
+
+        logger.info("IncModelLoader: Loading model...")
+
+        # Check if model is already quantized
+        if model_config._is_already_quantized():
+            logger.info("Model is already quantized, loading directly...")
+            # Use default loading for pre-quantized models
+            return super().load_model(
+                model_config=model_config, device_config=device_config
+            )
+
+        quant_model = self._autoround_quantization_workflow(model_config, device_config)
+
+        target_device = torch.device(device_config.device)
+
+        # Return autoround model for offline quantization mode
+        if self.load_config.inc_save_path is not None:
+            quant_model.to(target_device)
+            return quant_model.eval()
+
+        model_config.hf_config = quant_model.config
+        quant_config = _get_quantization_config(model_config, self.load_config)
+
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = _initialize_model(
+                    model_config,
+                    self.load_config,
+                    quant_config,
+                )
+
+            self.load_weights_and_postprocess(
+                model, iter(quant_model.state_dict().items()), target_device
+            )
+        return model.eval()
+
+    def _parse_quantization(self, quantization: str):
+        """Map quantization to AutoRound's scheme and format."""
+        AR_QUANT_CFG_CHOICES = {
+            "auto-round-int8": ("INT8", "llm_compressor"),
+        }
+        quant_cfg = AR_QUANT_CFG_CHOICES.get(quantization)
+        if not quant_cfg:
+            raise ValueError(
+                f"Invalid quantization choice: '{quantization}'. "
+                f"Available choices: {list(AR_QUANT_CFG_CHOICES.keys())}"
+            )
+        return quant_cfg
+
+    def _autoround_quantization_workflow(
+        self, model_config: ModelConfig, device_config: DeviceConfig
+    ) -> nn.Module:
+        """Auto-round quantization workflow: quantize, save checkpoint, then return model."""
+        try:
+            from auto_round import AutoRound
+        except ImportError:
+            logger.error(
+                "auto-round library not found. "
+                "Please install it using `pip install auto-round` to use AutoRound quantization."
+            )
+            raise
+
+        scheme, format = self._parse_quantization(model_config.quantization)
+
+        try:
+            autoround = AutoRound(
+                model_config.model_path,
+                scheme=scheme,
+                iters=self.load_config.inc_tuning_iters,
+                disable_opt_rtn=self.load_config.inc_disable_opt_rtn,
+                low_cpu_mem_usage=False,
+            )
+            if self.load_config.inc_save_path is not None:
+                logger.info("Offline quantization mode: Will quantize and save")
+                model, _ = autoround.quantize_and_save(
+                    output_dir=self.load_config.inc_save_path, format=format
+                )
+                return model
+            else:
+                logger.info("Online quantization mode: Will quantize and skip saving")
+                # Use a temporary directory and discard it so nothing is persisted in online mode.
+                with tempfile.TemporaryDirectory() as tmp_save_dir:
+                    model, _ = autoround.quantize_and_save(
+                        output_dir=tmp_save_dir, format=format
+                    )
+                return model
+        except Exception as e:
+            raise ValueError(f"AutoRound quantization failed: {e}")
+
+
 class ModelOptModelLoader(DefaultModelLoader):
     """
     Model loader that applies NVIDIA Model Optimizer quantization
@@ -2531,10 +3729,7 @@ class ModelOptModelLoader(DefaultModelLoader):
             # Apply quantization
             mtq.quantize(model, quant_cfg, forward_loop=calibrate_loop)
 
-            if (
-                not model_parallel_is_initialized()
-                or get_tensor_model_parallel_rank() == 0
-            ):
+            if not model_parallel_is_initialized() or get_parallel().tp_rank == 0:
                 mtq.print_quant_summary(model)
 
             # Save checkpoint if path provided
@@ -2715,6 +3910,255 @@ class ModelOptModelLoader(DefaultModelLoader):
         return model.eval()
 
 
+class RunaiModelStreamerLoader(BaseModelLoader):
+    """
+    Model loader that uses Runai Model Streamer to load a model.
+
+    Supports fast model loading from SSDs, shared filesystems and object storage (S3, GCS, Azure blob) with weight streaming.
+
+    Configuration (via load_config.model_loader_extra_config):
+        - distributed (bool): Enable distributed streaming - True by default for url paths (object storage)
+        - concurrency (int): Number of concurrent downloads
+        - memory_limit (int): Memory limit for streaming buffer
+
+    Note: Metadata files must be pre-downloaded via
+    ObjectStorageModel.download_and_get_path() before instantiation.
+    """
+
+    @dataclasses.dataclass
+    class Source:
+        """A source for weights."""
+
+        model_or_path: str
+        """The model ID or path."""
+
+        revision: Optional[str]
+        """The optional model revision."""
+
+        prefix: str = ""
+        """A prefix to prepend to all weights."""
+
+        fall_back_to_pt: bool = True
+        """Whether .pt weights can be used."""
+
+        model_config: Optional[ModelConfig] = None
+        """The model configuration (for checking architecture, etc)."""
+
+        @classmethod
+        def init_new(cls, model_config: ModelConfig, model):
+            model_weights = model_config.model_path
+            if hasattr(model_config, "model_weights"):
+                model_weights = model_config.model_weights
+            return cls(
+                model_weights,
+                model_config.revision,
+                prefix="",
+                fall_back_to_pt=getattr(model, "fall_back_to_pt_during_load", True),
+                model_config=model_config,
+            )
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        extra_config = load_config.model_loader_extra_config
+        allowed_keys = {"distributed", "concurrency", "memory_limit"}
+        unexpected_keys = set(extra_config.keys()) - allowed_keys
+
+        if unexpected_keys:
+            raise ValueError(
+                f"Unexpected extra config keys for load format "
+                f"{load_config.load_format}: "
+                f"{unexpected_keys}"
+            )
+
+        set_runai_streamer_env(load_config)
+
+        self._is_distributed = None
+        if load_config.model_loader_extra_config:
+            extra_config = load_config.model_loader_extra_config
+
+            if "distributed" in extra_config and isinstance(
+                extra_config.get("distributed"), bool
+            ):
+                self._is_distributed = extra_config.get("distributed")
+
+    def _prepare_weights(
+        self, model_name_or_path: str, revision: Optional[str]
+    ) -> Tuple[str, List[str]]:
+        """Prepare weights for the model.
+
+        If the model is not local, it will be downloaded."""
+        from sglang.srt.utils.runai_utils import (
+            ObjectStorageModel,
+            is_runai_obj_uri,
+            list_safetensors,
+        )
+
+        is_object_storage_path = is_runai_obj_uri(model_name_or_path)
+        if self._is_distributed is None:
+            self._is_distributed = is_object_storage_path
+        is_local = os.path.isdir(model_name_or_path)
+        safetensors_pattern = "*.safetensors"
+        index_file = SAFE_WEIGHTS_INDEX_NAME
+
+        hf_folder = (
+            model_name_or_path
+            if (is_local or is_object_storage_path)
+            else download_weights_from_hf(
+                model_name_or_path,
+                self.load_config.download_dir,
+                [safetensors_pattern],
+                revision,
+                ignore_patterns=self.load_config.ignore_patterns,
+            )
+        )
+
+        server_args = get_server_args()
+        if server_args and get_model().model_checksum is not None:
+            from sglang.srt.utils.model_file_verifier import verify
+
+            checksums_source = get_model().model_checksum or model_name_or_path
+            verify(model_path=hf_folder, checksums_source=checksums_source)
+
+        hf_weights_files = list_safetensors(path=hf_folder)
+
+        # For models like Mistral-7B-Instruct-v0.3
+        # there are both sharded safetensors files and a consolidated
+        # safetensors file. Using both breaks.
+        # Here, we download the `model.safetensors.index.json` and filter
+        # any files not found in the index.
+        if not is_local and not is_object_storage_path:
+            download_safetensors_index_file_from_hf(
+                model_name_or_path,
+                index_file,
+                self.load_config.download_dir,
+                revision,
+            )
+        if is_object_storage_path:
+            index_file = os.path.abspath(
+                os.path.join(ObjectStorageModel.get_path(hf_folder), index_file)
+            )
+        hf_weights_files = filter_duplicate_safetensors_files(
+            hf_weights_files, hf_folder, index_file
+        )
+
+        if len(hf_weights_files) == 0:
+            raise RuntimeError(
+                f"Cannot find any model weights with `{model_name_or_path}`"
+            )
+
+        return hf_folder, hf_weights_files
+
+    def _get_weights_iterator(
+        self, source: Source
+    ) -> Generator[Tuple[str, torch.Tensor], None, None]:
+        """Get an iterator for the model weights based on the load format."""
+        from sglang.srt.model_loader.weight_utils import (
+            runai_safetensors_weights_iterator,
+        )
+
+        hf_folder, hf_weights_files = self._prepare_weights(
+            source.model_or_path, source.revision
+        )
+
+        if source.model_config is not None:
+            hf_weights_files = maybe_add_mtp_safetensors(
+                hf_weights_files,
+                hf_folder,
+                "model.safetensors.index.json",
+                source.model_config.hf_config,
+            )
+
+        weights_iterator = runai_safetensors_weights_iterator(
+            hf_weights_files, self._is_distributed, self.target_device_str
+        )
+
+        if self.load_config.draft_model_idx is not None:
+            import re
+
+            def filter_weights(original_weights_iterator):
+                pattern = r"model.mtp.layers.(\d+)."
+                for name, tensor in original_weights_iterator:
+                    group = re.match(pattern, name)
+                    if group is not None:
+                        idx = int(group.group(1))
+                        if idx != self.load_config.draft_model_idx:
+                            continue
+                        new_name = name.replace(group.group(), "model.mtp.layers.0.")
+                    else:
+                        new_name = name
+                    yield (new_name, tensor)
+
+            weights_iterator = filter_weights(weights_iterator)
+
+        def apply_prefix(original_weights_iterator):
+            yield from (
+                (source.prefix + name, tensor)
+                for (name, tensor) in original_weights_iterator
+            )
+
+        return apply_prefix(weights_iterator)
+
+    def _get_all_weights(
+        self,
+        model_config: ModelConfig,
+        model: nn.Module,
+    ) -> Generator[Tuple[str, torch.Tensor], None, None]:
+
+        primary_weights = RunaiModelStreamerLoader.Source.init_new(model_config, model)
+        yield from self._get_weights_iterator(primary_weights)
+
+        secondary_weights = cast(
+            Iterable[RunaiModelStreamerLoader.Source],
+            getattr(model, "secondary_weights", ()),
+        )
+        for source in secondary_weights:
+            yield from self._get_weights_iterator(source)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self._prepare_weights(model_config.model_path, model_config.revision)
+
+    def load_model(
+        self,
+        *,
+        model_config: ModelConfig,
+        device_config: DeviceConfig,
+    ) -> nn.Module:
+
+        if hasattr(model_config, "modelopt_quant") and model_config.modelopt_quant:
+            # Load base model using shared method
+            raise NotImplementedError(
+                "Runai Model Streamer Loader does not support ModelOpt quantization yet"
+            )
+
+        assert device_config.device_type in ("cuda", "cpu"), (
+            f"Runai Model Streamer only supports CUDA and CPU, "
+            f"got {device_config.device_type}"
+        )
+
+        if device_config.device_type == "cuda":
+            self.target_device_str = (
+                device_config.device_type + ":" + str(device_config.gpu_id)
+            )
+        else:
+            self.target_device_str = "cpu"
+
+        target_device = torch.device(device_config.device)
+        quant_config = _get_quantization_config(model_config, self.load_config)
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = _initialize_model(
+                    model_config,
+                    self.load_config,
+                    quant_config,
+                )
+
+            DefaultModelLoader.load_weights_and_postprocess(
+                model, self._get_all_weights(model_config, model), target_device
+            )
+
+        return model.eval()
+
+
 def get_model_loader(
     load_config: LoadConfig, model_config: Optional[ModelConfig] = None
 ) -> BaseModelLoader:
@@ -2723,18 +4167,52 @@ def get_model_loader(
     if load_config.load_format == LoadFormat.DUMMY:
         return DummyModelLoader(load_config)
 
-    if model_config and (
+    if isinstance(load_config.load_format, type):
+        return load_config.load_format(load_config)
+
+    if model_config and model_config.quantization in ["auto-round-int8"]:
+        logger.info("Using IncModelLoader due to AutoRound quantization config.")
+        return IncModelLoader(load_config)
+
+    modelopt_config = load_config.modelopt_config
+    modelopt_workflow_requested = modelopt_config is not None and any(
+        (
+            modelopt_config.checkpoint_restore_path,
+            modelopt_config.checkpoint_save_path,
+            modelopt_config.export_path,
+        )
+    )
+
+    # Online modelopt_fp4 converts weights through DefaultModelLoader unless the
+    # caller explicitly requests ModelOpt calibration/checkpoint/export work.
+    # Non-local loaders still own their weight transport path.
+    modelopt_fp4_online = (
+        model_config
+        and model_config.quantization == "modelopt_fp4"
+        and not model_config._is_already_quantized()
+        and not modelopt_workflow_requested
+    )
+    model_optloader_allowed = (
+        model_config
+        and not modelopt_fp4_online
+        and load_config.load_format
+        not in (LoadFormat.RUNAI_STREAMER, LoadFormat.REMOTE_INSTANCE)
+    )
+
+    if model_optloader_allowed and (
         (hasattr(model_config, "modelopt_quant") and model_config.modelopt_quant)
-        or model_config.quantization in ["modelopt_fp8", "modelopt_fp4", "modelopt"]
+        or model_config.quantization
+        in ["modelopt_fp8", "modelopt_fp4", "modelopt_mixed", "modelopt"]
     ):
         logger.info("Using ModelOptModelLoader due to ModelOpt quantization config.")
         return ModelOptModelLoader(load_config)
 
     # Use ModelOptModelLoader for unified quantization flags
     if (
-        model_config
+        model_optloader_allowed
         and hasattr(model_config, "quantization")
-        and model_config.quantization in ["modelopt_fp8", "modelopt_fp4"]
+        and model_config.quantization
+        in ["modelopt_fp8", "modelopt_fp4", "modelopt_mixed"]
     ):
         if model_config._is_already_quantized():
             logger.info(
@@ -2746,17 +4224,22 @@ def get_model_loader(
             )
         return ModelOptModelLoader(load_config)
 
-    if isinstance(load_config.load_format, type):
-        return load_config.load_format(load_config)
-
     if load_config.load_format == LoadFormat.SHARDED_STATE:
         return ShardedStateLoader(load_config)
+
+    if load_config.load_format == LoadFormat.PRESHARDED:
+        return PreshardedModelLoader(load_config)
 
     if load_config.load_format == LoadFormat.BITSANDBYTES:
         return BitsAndBytesModelLoader(load_config)
 
     if load_config.load_format == LoadFormat.GGUF:
         return GGUFModelLoader(load_config)
+
+    if load_config.load_format == LoadFormat.EXPERT_PACK:
+        from sglang.srt.model_loader.expert_pack_loader import ExpertPackModelLoader
+
+        return ExpertPackModelLoader(load_config)
 
     if load_config.load_format == LoadFormat.LAYERED:
         return LayeredModelLoader(load_config)
@@ -2796,5 +4279,18 @@ def get_model_loader(
             return module.PrivateModelLoader(load_config)
         except ImportError:
             raise ValueError("Failed to import sglang.private.private_model_loader")
+
+    if load_config.load_format == LoadFormat.RUNAI_STREAMER:
+        return RunaiModelStreamerLoader(load_config)
+
+    if load_config.load_format == LoadFormat.IPC_CACHE:
+        from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
+
+        return IpcModelLoader(
+            load_config=load_config,
+            socket_path=load_config.weight_cache_socket,
+            weight_cache_mode=load_config.weight_cache_mode,
+            fallback_load_format=load_config.fallback_load_format,
+        )
 
     return DefaultModelLoader(load_config)

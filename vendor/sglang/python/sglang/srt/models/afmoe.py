@@ -32,8 +32,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
 from sglang.srt.layers.activation import SiluAndMul
@@ -46,9 +44,9 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor
-from sglang.srt.layers.moe.fused_moe_triton import fused_moe
 from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
-from sglang.srt.layers.moe.topk import TopK
+from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_moe
+from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
@@ -58,7 +56,15 @@ from sglang.srt.layers.vocab_parallel_embedding import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
-from sglang.srt.utils import add_prefix
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils import add_prefix, is_npu
+
+_is_npu = is_npu()
+
+if _is_npu:
+    from sglang.srt.hardware_backend.npu.quantization.moe_methods import (
+        fused_moe_npu as fused_moe,
+    )
 
 
 def get_attention_sliding_window_size(config: PretrainedConfig) -> Optional[int]:
@@ -72,7 +78,6 @@ def get_attention_sliding_window_size(config: PretrainedConfig) -> Optional[int]
 
 
 class AfmoeMLP(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -112,7 +117,6 @@ class AfmoeMLP(nn.Module):
 
 
 class AfmoeMoE(nn.Module):
-
     @staticmethod
     def _custom_routing_function(
         hidden_states: torch.Tensor,
@@ -148,13 +152,13 @@ class AfmoeMoE(nn.Module):
     def __init__(
         self,
         config: PretrainedConfig,
+        layer_id: int,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
     ):
         super().__init__()
         self.config = config
-        self.rank = get_tensor_model_parallel_rank()
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_size = get_parallel().tp_size
 
         self.n_routed_experts = getattr(config, "num_experts", None)
         if self.n_routed_experts is None:
@@ -200,6 +204,7 @@ class AfmoeMoE(nn.Module):
                 for idx in range(self.n_routed_experts)
             ]
         )
+
         self.pack_params()
 
         if self.num_shared_experts:
@@ -216,7 +221,7 @@ class AfmoeMoE(nn.Module):
             self.shared_experts = None
 
         custom_routing_fn = None
-        correction_bias = None
+        correction_bias = None if not _is_npu else self.expert_bias
         if self.use_grouped_topk:
             correction_bias = self.expert_bias
         elif self.score_func == "sigmoid":
@@ -229,6 +234,7 @@ class AfmoeMoE(nn.Module):
         renormalize = self.route_norm if self.score_func == "sigmoid" else False
         self.topk = TopK(
             top_k=self.top_k,
+            layer_id=layer_id,
             renormalize=renormalize,
             use_grouped_topk=self.use_grouped_topk,
             num_expert_group=self.n_group if self.use_grouped_topk else None,
@@ -236,6 +242,15 @@ class AfmoeMoE(nn.Module):
             custom_routing_function=custom_routing_fn,
             correction_bias=correction_bias,
             routed_scaling_factor=self.route_scale,
+            **(
+                {
+                    "scoring_func": self.score_func,
+                    "apply_routed_scaling_factor_on_output": True,
+                }
+                if _is_npu
+                else {}
+            ),
+            output_format=TopKOutputFormat.STANDARD,
         )
 
     def pack_params(self) -> None:
@@ -266,7 +281,7 @@ class AfmoeMoE(nn.Module):
 
         router_logits, _ = self.gate(hidden_states)
         topk_output = self.topk(hidden_states, router_logits)
-        final_hidden_states = fused_moe.fused_moe(
+        final_hidden_states = fused_moe(
             hidden_states,
             w1=self.w1,
             w2=self.w2,
@@ -285,7 +300,6 @@ class AfmoeMoE(nn.Module):
 
 
 class AfmoeAttention(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -298,7 +312,7 @@ class AfmoeAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = get_parallel().tp_size
         self.total_num_heads = num_heads
         assert self.total_num_heads % tp_size == 0
         self.num_heads = self.total_num_heads // tp_size
@@ -314,8 +328,8 @@ class AfmoeAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
 
-        rope_theta = getattr(config, "rope_theta", 10000)
-        rope_scaling = getattr(config, "rope_scaling", None)
+        rope_theta = config.rope_parameters["rope_theta"]
+        rope_scaling = config.rope_parameters
         partial_rotary_factor = getattr(config, "partial_rotary_factor", 1.0)
         self.rotary_dim = int(self.head_dim * partial_rotary_factor)
         max_position_embeddings = getattr(config, "max_position_embeddings", 8192)
@@ -406,7 +420,6 @@ class AfmoeAttention(nn.Module):
 
 
 class AfmoeDecoderLayer(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -444,6 +457,7 @@ class AfmoeDecoderLayer(nn.Module):
         if use_moe:
             self.mlp = AfmoeMoE(
                 config=config,
+                layer_id=layer_id,
                 quant_config=quant_config,
                 prefix=add_prefix("mlp", prefix),
             )
@@ -484,7 +498,6 @@ class AfmoeDecoderLayer(nn.Module):
 
 
 class AfmoeModel(nn.Module):
-
     fall_back_to_pt_during_load = False
 
     def __init__(
@@ -540,7 +553,6 @@ class AfmoeModel(nn.Module):
 
 
 class AfmoeForCausalLM(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,

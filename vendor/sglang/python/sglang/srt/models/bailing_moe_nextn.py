@@ -26,11 +26,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from sglang.srt.distributed import get_tensor_model_parallel_world_size
 from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+from sglang.srt.layers.layer_boundary import layer_stack
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.moe.utils import get_num_fused_shared_experts
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.vocab_parallel_embedding import (
     ParallelLMHead,
@@ -42,12 +44,26 @@ from sglang.srt.models.bailing_moe_linear import (
     BailingMoELinearDecoderLayer,
     BailingMoeV2_5ForCausalLM,
 )
+from sglang.srt.models.bailing_moe_v3 import (
+    BailingMoELinearDecoderLayer as BailingMoeV3DecoderLayer,
+)
+from sglang.srt.models.bailing_moe_v3 import (
+    BailingMoeV3ForCausalLM,
+)
 from sglang.srt.models.utils import WeightsMapper
-from sglang.srt.server_args import get_global_server_args
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import BumpAllocator, add_prefix
 
-LoraConfig = None
 logger = logging.getLogger(__name__)
+
+
+def _is_bailing_moe_v3_config(config: PretrainedConfig) -> bool:
+    """Ling-V3 (KDA + gated MLA) vs the V2.5 lightning checkpoint.
+
+    ``use_kda`` is set by BailingHybridConfig from the presence of a short
+    conv, which is exactly what distinguishes the two.
+    """
+    return config.model_type == "bailing_hybrid" and config.use_kda
 
 
 class BailingMoEModelNextN(nn.Module):
@@ -66,7 +82,7 @@ class BailingMoEModelNextN(nn.Module):
         config.for_nextn_model = True
 
         if quant_config is not None and quant_config.get_name() == "modelopt_fp4":
-            logger.warning(
+            logger.debug(
                 "Overriding DeepseekV3ForCausalLMNextN quant config for modelopt_fp4 Deepseek model."
             )
             quant_config = None
@@ -94,23 +110,27 @@ class BailingMoEModelNextN(nn.Module):
         self.is_hybrid = (
             hasattr(config, "model_type") and config.model_type == "bailing_hybrid"
         )
-        if self.is_hybrid:
-            config.attention_type = 1
-            self.decoder = BailingMoELinearDecoderLayer(
-                config,
-                quant_config=quant_config,
-                layer_id=0,
-                is_nextn=True,
-                prefix=add_prefix(f"layers.{config.num_hidden_layers}", prefix),
-            )
-        else:
-            self.decoder = BailingMoEBlock(
-                config,
-                0,
-                quant_config=quant_config,
-                # is_nextn=True,
-                prefix=add_prefix("decoder", prefix),
-            )
+        with layer_stack():
+            if self.is_hybrid:
+                config.attention_type = 1
+                decoder_layer_cls = BailingMoELinearDecoderLayer
+                decoder_kwargs = {
+                    "quant_config": quant_config,
+                    "layer_id": 0,
+                    "is_nextn": True,
+                    "prefix": add_prefix(f"layers.{config.num_hidden_layers}", prefix),
+                }
+                if _is_bailing_moe_v3_config(config):
+                    decoder_layer_cls = BailingMoeV3DecoderLayer
+                self.decoder = decoder_layer_cls(config, **decoder_kwargs)
+            else:
+                self.decoder = BailingMoEBlock(
+                    config,
+                    0,
+                    quant_config=quant_config,
+                    prefix=add_prefix("decoder", prefix),
+                    is_nextn=True,
+                )
 
         self.shared_head = nn.Module()
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -143,7 +163,7 @@ class BailingMoEModelNextN(nn.Module):
                 )
             )
 
-        residual = None
+        residual_batch.start(forward_batch)
         if self.is_hybrid:
             device = input_ids.device
             zero_allocator = BumpAllocator(
@@ -153,39 +173,50 @@ class BailingMoEModelNextN(nn.Module):
                 dtype=torch.float32,
                 device=device,
             )
-            hidden_states, residual = self.decoder(
+            hidden_states = self.decoder(
                 hidden_states=hidden_states,
                 positions=positions,
                 forward_batch=forward_batch,
-                residual=residual,
                 zero_allocator=zero_allocator,
             )
         else:
-            hidden_states, residual = self.decoder(
-                positions, hidden_states, forward_batch, residual
-            )
+            hidden_states = self.decoder(positions, hidden_states, forward_batch)
 
+        hidden_states = residual_batch.complete_output(hidden_states, forward_batch)
         if not forward_batch.forward_mode.is_idle():
-            if residual is not None:
-                hidden_states, _ = self.final_layernorm(hidden_states, residual)
-            else:
-                hidden_states = self.final_layernorm(hidden_states)
+            hidden_states = residual_batch.final_norm(
+                hidden_states, forward_batch, self.final_layernorm
+            )
 
         return hidden_states
 
 
 class BailingMoeForCausalLMNextN(nn.Module):
-
     packed_modules_mapping = {
         "fused_qkv_a_proj_with_mqa": ["q_a_proj", "kv_a_proj_with_mqa"],
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
-    # To ensure correct weight loading and mapping.
     hf_to_sglang_mapper = WeightsMapper(
         orig_to_new_substr={
             "attention.dense": "attention.o_proj",
         },
     )
+
+    @classmethod
+    def shared_experts_fusion_disable_reason(cls, hf_config, quant_config):
+        if not _is_bailing_moe_v3_config(hf_config):
+            return None
+        return BailingMoeV3ForCausalLM.shared_experts_fusion_disable_reason(
+            hf_config,
+            quant_config,
+            expected_architecture="BailingMoeForCausalLMNextN",
+        )
+
+    @classmethod
+    def num_fusable_shared_experts(cls, hf_config) -> int:
+        if not _is_bailing_moe_v3_config(hf_config):
+            return 0
+        return BailingMoeV3ForCausalLM.num_fusable_shared_experts(hf_config)
 
     def __init__(
         self,
@@ -195,29 +226,46 @@ class BailingMoeForCausalLMNextN(nn.Module):
     ) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.tp_size = get_tensor_model_parallel_world_size()
         self.quant_config = quant_config
-        if hasattr(self, "determine_num_fused_shared_experts"):
-            # Asystem has determine_num_fused_shared_experts but theta does not.
-            self.determine_num_fused_shared_experts("BailingMoeForCausalLMNextN")
+        # The weight loader reads this after the build.
+        self.num_fused_shared_experts = get_num_fused_shared_experts()
+        is_bailing_moe_v3 = _is_bailing_moe_v3_config(config)
+        if is_bailing_moe_v3:
+            BailingMoeV3ForCausalLM.log_shared_experts_fusion(self)
 
         self.model = BailingMoEModelNextN(
-            config, quant_config, prefix=add_prefix("model", prefix)
+            config,
+            quant_config,
+            prefix=add_prefix("model", prefix),
         )
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,
             quant_config=quant_config,
             prefix=add_prefix("model.shared_head.head", prefix),
-            use_attn_tp_group=get_global_server_args().enable_dp_lm_head,
+            use_attn_tp_group=get_parallel().enable_dp_lm_head,
         )
         self.logits_processor = LogitsProcessor(config)
-        if hasattr(self.config, "model_type") and config.model_type == "bailing_hybrid":
+        if is_bailing_moe_v3:
+            self.base_load_weights_func = BailingMoeV3ForCausalLM.load_weights
+            self.post_load_weights_func = BailingMoeV3ForCausalLM.post_load_weights
+        elif config.model_type == "bailing_hybrid":
             self.base_load_weights_func = BailingMoeV2_5ForCausalLM.load_weights
             self.post_load_weights_func = BailingMoeV2_5ForCausalLM.post_load_weights
         else:
             self.base_load_weights_func = BailingMoEForCausalLM.load_weights
-            self.post_load_weights_func = BailingMoEForCausalLM.post_load_weights
+            # V1 BailingMoeAttention is standard QKV (no kv_b_proj), no fixup needed.
+            self.post_load_weights_func = None
+
+    @staticmethod
+    def weight_direct_load(param: torch.Tensor, loaded_weight: torch.Tensor):
+        # Defensive: V3's load_weights references `self.weight_direct_load` as the
+        # default in `getattr(param, "weight_loader", self.weight_direct_load)`,
+        # which is eagerly evaluated. Today the linear-attn branch that uses it is
+        # never reached on NextN (attention_type is forced to softmax and
+        # is_linear_layer(0, 1) is False), but keep this forward so a future change
+        # that enables KDA-style layers on NextN doesn't hit AttributeError.
+        BailingMoeV3ForCausalLM.weight_direct_load(param, loaded_weight)
 
     @torch.no_grad()
     def forward(
@@ -243,8 +291,13 @@ class BailingMoeForCausalLMNextN(nn.Module):
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
         self.base_load_weights_func(self, weights, is_nextn=True)
 
-    def post_load_weights(self, is_nextn=False, weight_names=None):
-        self.post_load_weights_func(self, is_nextn=is_nextn, weight_names=weight_names)
+    def post_load_weights(self, is_nextn=True, weight_names=None):
+        # `is_nextn` is pinned to True for the NextN subclass; the parameter is kept
+        # only because the underlying `load_weights` flow calls `self.post_load_weights`
+        # with `is_nextn=...` as a kwarg.
+        if self.post_load_weights_func is None:
+            return
+        self.post_load_weights_func(self, is_nextn=True, weight_names=weight_names)
 
 
 EntryClass = [BailingMoeForCausalLMNextN]

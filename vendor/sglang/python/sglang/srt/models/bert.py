@@ -4,7 +4,6 @@ from typing import Iterable, Optional, Set, Tuple
 import torch
 from torch import nn
 
-from sglang.srt.distributed import get_tensor_model_parallel_world_size
 from sglang.srt.layers.activation import get_act_fn
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -17,14 +16,13 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
-from sglang.srt.server_args import get_global_server_args
+from sglang.srt.runtime_context import get_model, get_parallel
 from sglang.srt.utils import add_prefix
 
 BertConfig = None
 
 
 class BertEmbedding(nn.Module):
-
     def __init__(self, config: BertConfig):
 
         super().__init__()
@@ -78,7 +76,6 @@ class BertEmbedding(nn.Module):
 
 
 class BertPooler(nn.Module):
-
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
@@ -97,7 +94,6 @@ class BertPooler(nn.Module):
 
 
 class BertEncoder(nn.Module):
-
     def __init__(
         self,
         config: BertConfig,
@@ -128,7 +124,6 @@ class BertEncoder(nn.Module):
 
 
 class BertLayer(nn.Module):
-
     def __init__(
         self,
         config: BertConfig,
@@ -174,7 +169,6 @@ class BertLayer(nn.Module):
 
 
 class BertAttention(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -209,7 +203,6 @@ class BertAttention(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -220,7 +213,7 @@ class BertSelfAttention(nn.Module):
     ):
         super().__init__()
         self.hidden_size = hidden_size
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = get_parallel().tp_size
 
         self.total_num_heads = num_attention_heads
         assert self.total_num_heads % tp_size == 0
@@ -265,7 +258,6 @@ class BertSelfAttention(nn.Module):
 
 
 class BertSelfOutput(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -292,7 +284,6 @@ class BertSelfOutput(nn.Module):
 
 
 class BertIntermediate(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -318,7 +309,6 @@ class BertIntermediate(nn.Module):
 
 
 class BertOutput(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -348,7 +338,6 @@ class BertOutput(nn.Module):
 
 
 class BertModel(nn.Module):
-
     def __init__(
         self,
         *,
@@ -366,11 +355,7 @@ class BertModel(nn.Module):
             quant_config=quant_config,
             prefix=add_prefix("encoder", prefix),
         )
-        pooling_type = (
-            PoolingType.CLS
-            if get_global_server_args().is_embedding
-            else PoolingType.LAST
-        )
+        pooling_type = PoolingType.CLS if get_model().is_embedding else PoolingType.LAST
         self.pooler = (
             BertPooler(config)
             if self.use_bert_pooler
@@ -416,7 +401,6 @@ class BertModel(nn.Module):
             if not self.use_bert_pooler and "pooler" in name:
                 continue
             for param_name, weight_name, shard_id in stacked_params_mapping:
-
                 if weight_name not in name:
                     continue
                 name = name.replace(weight_name, param_name)
@@ -441,7 +425,6 @@ class Contriever(BertModel):
 
 
 class BertForSequenceClassification(nn.Module):
-
     def __init__(
         self,
         *,

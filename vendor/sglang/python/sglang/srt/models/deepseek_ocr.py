@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Copyright 2025 The SwissAI Initiative
 # Copyright 2023-2024 SGLang Team
 # Licensed under the Apache License, Version 2.0 (the "License");
@@ -20,6 +22,7 @@
 import copy
 import logging
 import math
+from array import array
 from functools import partial
 from typing import Iterable, List, Optional, Set, Tuple, Type, TypeAlias, Union
 
@@ -29,11 +32,11 @@ import transformers
 from torch import Tensor, nn
 from transformers.models.vitdet.modeling_vitdet import get_rel_pos
 
-from sglang.srt.configs.deepseek_ocr import DeepseekVLV2Config
+from sglang.srt.configs.deepseek_ocr import DeepseekVLV2Config, is_ocr2_config
 from sglang.srt.layers.quantization import QuantizationConfig
 from sglang.srt.managers.mm_utils import (
-    MultiModalityDataPaddingPatternMultimodalTokens,
     general_mm_embed_routine,
+    pad_mm_tokens,
 )
 from sglang.srt.managers.schedule_batch import MultimodalDataItem, MultimodalInputs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -41,6 +44,10 @@ from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.deepseek import DeepseekForCausalLM
 from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from sglang.srt.models.transformers import maybe_prefix
+from sglang.srt.utils import cpu_has_amx_support, get_compiler_backend, is_cpu
+
+_is_cpu_amx_available = cpu_has_amx_support()
+_is_cpu = is_cpu()
 
 NestedTensors: TypeAlias = Union[
     list["NestedTensors"],
@@ -125,8 +132,9 @@ def isin_list(
     elements: torch.Tensor,
     test_elements_list: list[int],
 ) -> torch.Tensor:
-    test_elements = torch.tensor(test_elements_list, pin_memory=True).to(
-        device=elements.device, non_blocking=True
+    use_pin = torch.cuda.is_available() and not getattr(torch.version, "hip", None)
+    test_elements = torch.tensor(test_elements_list, pin_memory=use_pin).to(
+        device=elements.device, non_blocking=use_pin
     )
 
     return torch.isin(elements, test_elements)
@@ -176,7 +184,6 @@ def merge_multimodal_embeddings(
 
 
 class MlpProjector(nn.Module):
-
     def __init__(
         self,
         projector_type,
@@ -451,9 +458,9 @@ class Attention(nn.Module):
 
         self.use_rel_pos = use_rel_pos
         if self.use_rel_pos:
-            assert (
-                input_size is not None
-            ), "Input size must be provided if using relative positional encoding."
+            assert input_size is not None, (
+                "Input size must be provided if using relative positional encoding."
+            )
             # initialize relative positional embeddings
             self.rel_pos_h = nn.Parameter(torch.zeros(2 * input_size[0] - 1, head_dim))
             self.rel_pos_w = nn.Parameter(torch.zeros(2 * input_size[1] - 1, head_dim))
@@ -825,7 +832,7 @@ def _build_sam(
     )
     image_encoder.eval()
     if checkpoint is not None:
-        state_dict = torch.load(checkpoint)
+        state_dict = torch.load(checkpoint, map_location="cpu", weights_only=True)
         image_encoder.load_state_dict(
             {k[30:]: v for k, v in state_dict.items() if "vision_tower_high" in k},
             strict=True,
@@ -951,7 +958,6 @@ class NoTPAttention(torch.nn.Module):
         xqkv = xqkv.view(bsz, seqlen, 3, self.num_heads, self.head_dim)
 
         if self.use_flash_attention:
-
             xq, xk, xv = torch.split(xqkv, 1, dim=2)
             xq = xq.squeeze(2)
             xk = xk.squeeze(2)
@@ -983,7 +989,7 @@ class NoTPAttention(torch.nn.Module):
         return output
 
 
-@torch.jit.script
+@torch.compile(dynamic=True, backend=get_compiler_backend())
 def quick_gelu(x):
     return x * torch.sigmoid(1.702 * x)
 
@@ -1288,31 +1294,34 @@ class CustomQwen2Decoder(nn.Module):
                 token_type_ids,
             ):
                 min_dtype = torch.finfo(dtype).min
-                masks = []
-                for b in range(batch_size):
-                    mask = torch.full(
-                        (sequence_length, sequence_length),
-                        fill_value=min_dtype,
-                        dtype=dtype,
-                        device=device,
-                    )
 
-                    type_ids = token_type_ids[b]
-                    image_positions = (type_ids == 0).nonzero(as_tuple=True)[0]
-                    text_positions = (type_ids == 1).nonzero(as_tuple=True)[0]
+                is_image = token_type_ids == 0  # [B, S]
+                is_text = token_type_ids == 1  # [B, S]
 
-                    if len(image_positions) > 0:
-                        mask[image_positions[:, None], image_positions] = 0.0
+                mask = torch.full(
+                    (batch_size, sequence_length, sequence_length),
+                    fill_value=min_dtype,
+                    dtype=dtype,
+                    device=device,
+                )
 
-                    for i, text_pos in enumerate(text_positions):
-                        if len(image_positions) > 0:
-                            mask[text_pos, image_positions] = 0.0
-                        mask[text_pos, text_positions[: i + 1]] = 0.0
+                img_outer = is_image.unsqueeze(2) & is_image.unsqueeze(1)  # [B, S, S]
 
-                    masks.append(mask)
+                idx = torch.arange(sequence_length, device=device)
+                causal = idx.unsqueeze(0) <= idx.unsqueeze(1)  # [S, S]
 
-                mask = torch.stack(masks, dim=0).unsqueeze(1)
-                return mask
+                text_causal = (
+                    is_text.unsqueeze(2)  # [B, S, 1]
+                    & is_text.unsqueeze(1)  # [B, 1, S]
+                    & causal.unsqueeze(0)  # [1, S, S]
+                )  # [B, S, S]
+
+                text_to_img = is_text.unsqueeze(2) & is_image.unsqueeze(1)  # [B, S, S]
+
+                allow = img_outer | text_causal | text_to_img  # [B, S, S]
+                mask.masked_fill_(allow, 0.0)
+
+                return mask.unsqueeze(1)  # [B, 1, S, S]
 
         return CustomQwen2ModelInner(config)
 
@@ -1407,12 +1416,38 @@ def build_qwen2_decoder_as_encoder(
         max_query=max_query,
     )
     if checkpoint is not None:
-        state_dict = torch.load(checkpoint)
+        state_dict = torch.load(checkpoint, map_location="cpu", weights_only=True)
         decoder_as_encoder.load_state_dict(state_dict, strict=True)
     return decoder_as_encoder
 
 
+def _fused_moe_text_config(hf_config):
+    """Return the nested fusable MoE config, or None for other branches."""
+    text_config = hf_config.text_config
+    if is_ocr2_config(hf_config) or not (
+        text_config.topk_method == "noaux_tc" or text_config.use_mla
+    ):
+        return None
+    return text_config
+
+
 class DeepseekOCRForCausalLM(nn.Module):
+    @staticmethod
+    def shared_experts_fusion_disable_reason(hf_config, quant_config):
+        text_config = _fused_moe_text_config(hf_config)
+        if text_config is None:
+            return None
+        return DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason(
+            text_config, quant_config
+        )
+
+    @staticmethod
+    def num_fusable_shared_experts(hf_config) -> int:
+        text_config = _fused_moe_text_config(hf_config)
+        if text_config is None:
+            return 0
+        return DeepseekV2ForCausalLM.num_fusable_shared_experts(text_config)
+
     def __init__(
         self,
         *,
@@ -1427,11 +1462,7 @@ class DeepseekOCRForCausalLM(nn.Module):
         self.vision_config = config.vision_config
         self.projector_config = config.projector_config
         self.text_config = config.text_config
-        self.is_ocr2 = (
-            str(getattr(self.vision_config, "model_name", "")).lower()
-            == "deepencoderv2"
-            or getattr(self.projector_config, "input_dim", None) == 896
-        )
+        self.is_ocr2 = is_ocr2_config(config)
         n_embed = getattr(self.projector_config, "n_embed", 1280)
 
         self.tile_tag = config.tile_tag
@@ -1576,7 +1607,7 @@ class DeepseekOCRForCausalLM(nn.Module):
         if pixel_values is not None:
             if not isinstance(pixel_values, (torch.Tensor, list)):
                 raise ValueError(
-                    "Incorrect type of pixel values. " f"Got type: {type(pixel_values)}"
+                    f"Incorrect type of pixel values. Got type: {type(pixel_values)}"
                 )
 
             if not isinstance(images_spatial_crop, (torch.Tensor, list)):
@@ -1587,7 +1618,7 @@ class DeepseekOCRForCausalLM(nn.Module):
 
             if not isinstance(images_crop, (torch.Tensor, list)):
                 raise ValueError(
-                    "Incorrect type of image crop. " f"Got type: {type(images_crop)}"
+                    f"Incorrect type of image crop. Got type: {type(images_crop)}"
                 )
 
             return [pixel_values, images_crop, images_spatial_crop]
@@ -1679,30 +1710,41 @@ class DeepseekOCRForCausalLM(nn.Module):
             else self.vision_model.dtype
         )
         has_local_crops = self._collect_mm_flag(mm_items, "has_local_crops")
-        pixel_values = torch.stack([item.feature for item in mm_items], dim=0).type(
-            target_dtype
-        )
 
-        images_crop = (
-            torch.stack([item.images_crop for item in mm_items], dim=0)
-            .type(torch.long)
-            .to(device=pixel_values.device)
-        )
-        images_spatial_crop = (
-            torch.cat([item.images_spatial_crop for item in mm_items], dim=0)
-            .type(torch.long)
-            .to(device=pixel_values.device)
-        )
+        # Different images may have a different number of local crop patches
+        # (images_crop shape [1, num_patches, 3, H, W] varies per item), so we
+        # cannot stack them into a single tensor. Process each item separately
+        # and concatenate the resulting feature sequences.
+        vision_feature_lists: List[torch.Tensor] = []
+        for idx, item in enumerate(mm_items):
+            pixel_values = item.feature.unsqueeze(0).type(target_dtype)
+            images_crop = (
+                item.images_crop.unsqueeze(0)
+                .type(target_dtype)
+                .to(device=pixel_values.device)
+            )
+            images_spatial_crop = item.images_spatial_crop.type(torch.long).to(
+                device=pixel_values.device
+            )
+            if images_spatial_crop.dim() == 2:
+                images_spatial_crop = images_spatial_crop.unsqueeze(0)
 
-        assert images_crop.dim() == 6
-        assert images_spatial_crop.dim() == 3
+            assert images_crop.dim() == 6
+            assert images_spatial_crop.dim() == 3
 
-        vision_feature_lists = self._pixel_values_to_embedding(
-            pixel_values=pixel_values,
-            images_crop=images_crop,
-            images_spatial_crop=images_spatial_crop,
-            has_local_crops=has_local_crops,
-        )
+            item_has_local_crops = (
+                [has_local_crops[idx]] if has_local_crops is not None else None
+            )
+
+            vision_feature_lists.extend(
+                self._pixel_values_to_embedding(
+                    pixel_values=pixel_values,
+                    images_crop=images_crop,
+                    images_spatial_crop=images_spatial_crop,
+                    has_local_crops=item_has_local_crops,
+                )
+            )
+
         vision_features = torch.cat(vision_feature_lists, dim=0).type(target_dtype)
 
         return vision_features
@@ -1734,9 +1776,8 @@ class DeepseekOCRForCausalLM(nn.Module):
 
         return inputs_embeds
 
-    def pad_input_ids(self, input_ids: List[int], mm_inputs: MultimodalInputs):
-        pattern = MultiModalityDataPaddingPatternMultimodalTokens()
-        return pattern.pad_input_tokens(input_ids, mm_inputs)
+    def pad_input_ids(self, input_ids: array, mm_inputs: MultimodalInputs) -> array:
+        return pad_mm_tokens(input_ids, mm_inputs)
 
     def get_image_feature(self, items: List[MultimodalDataItem]) -> torch.Tensor:
         vision_embeddings = self._process_image_input(items)
@@ -1771,7 +1812,6 @@ class DeepseekOCRForCausalLM(nn.Module):
 
         params_dict = dict(self.named_parameters())
         loaded_params: Set[str] = set()
-
         for name, loaded_weight in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -1851,6 +1891,36 @@ class DeepseekOCRForCausalLM(nn.Module):
             raise RuntimeError(
                 f"Some weights are not initialized from checkpoints: {unloaded_params}"
             )
+        self.post_load_weights()
+
+    def post_load_weights(self):
+        if _is_cpu and _is_cpu_amx_available:
+            from sglang.srt.layers.amx_utils import _amx_process_weight_after_loading
+
+            layer_ids = int(self.config.num_hidden_layers)
+            first_k_dense_replace_id = (
+                self.config.first_k_dense_replace
+                if hasattr(self.config, "first_k_dense_replace")
+                else -1
+            )
+            moe_layer_freq_id = (
+                self.config.moe_layer_freq
+                if hasattr(self.config, "moe_layer_freq")
+                else 1
+            )
+            for layer_id in range(0, layer_ids):
+                if (
+                    layer_id >= first_k_dense_replace_id
+                    and layer_id % moe_layer_freq_id == 0
+                ):
+                    if (
+                        hasattr(self.model, "model")
+                        and hasattr(self.model.model, "layers")
+                        and hasattr(self.model.model.layers[layer_id], "mlp")
+                    ):
+                        self_moe = self.model.model.layers[layer_id].mlp
+                        if hasattr(self_moe, "w1") and hasattr(self_moe, "w2"):
+                            _amx_process_weight_after_loading(self_moe, ["w1", "w2"])
 
 
 EntryClass = [DeepseekOCRForCausalLM]

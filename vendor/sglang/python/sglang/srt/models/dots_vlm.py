@@ -17,28 +17,50 @@
 # limitations under the License.
 """Inference-only Dots-VL model compatible with HuggingFace weights."""
 
+from array import array
 from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from sglang.srt.configs.dots_vlm import DotsVLMConfig
-from sglang.srt.distributed import get_pp_group
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.managers.mm_utils import (
-    MultiModalityDataPaddingPatternMultimodalTokens,
     general_mm_embed_routine,
+    pad_mm_tokens,
 )
 from sglang.srt.managers.schedule_batch import MultimodalDataItem, MultimodalInputs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM
+from sglang.srt.runtime_context import get_parallel
 
 from .dots_vlm_vit import DotsVisionTransformer
 
 
+def _fused_moe_text_config(hf_config):
+    """Return the nested fusable MoE config, or None for other branches."""
+    return None if hf_config.encoder_only else hf_config.language_config
+
+
 class DotsVLMForCausalLM(nn.Module):
     """DotsVLM model for sglang inference"""
+
+    @staticmethod
+    def shared_experts_fusion_disable_reason(hf_config, quant_config):
+        text_config = _fused_moe_text_config(hf_config)
+        if text_config is None:
+            return None
+        return DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason(
+            text_config, quant_config
+        )
+
+    @staticmethod
+    def num_fusable_shared_experts(hf_config) -> int:
+        text_config = _fused_moe_text_config(hf_config)
+        if text_config is None:
+            return 0
+        return DeepseekV2ForCausalLM.num_fusable_shared_experts(text_config)
 
     def __init__(
         self, config: DotsVLMConfig, quant_config: Optional[QuantizationConfig] = None
@@ -48,7 +70,7 @@ class DotsVLMForCausalLM(nn.Module):
         self.config = config
         self.image_token_id = config.im_span_id
         self.video_token_id = config.video_span_id
-        self.pp_group = get_pp_group()
+        self.pp_group = get_parallel().pp_group
 
         if not config.encoder_only:
             self.language_model = DeepseekV2ForCausalLM(
@@ -124,11 +146,10 @@ class DotsVLMForCausalLM(nn.Module):
     def get_model_config_for_expert_location(cls, config):
         return DeepseekV2ForCausalLM.get_model_config_for_expert_location(config)
 
-    def pad_input_ids(self, input_ids: List[int], mm_inputs: MultimodalInputs):
+    def pad_input_ids(self, input_ids: array, mm_inputs: MultimodalInputs) -> array:
         """Pad input_ids with multimodal tokens"""
         # Get image token ID for padding pattern
-        pattern = MultiModalityDataPaddingPatternMultimodalTokens()
-        padded_input_ids = pattern.pad_input_tokens(input_ids, mm_inputs)
+        padded_input_ids = pad_mm_tokens(input_ids, mm_inputs)
         return padded_input_ids
 
     def get_image_feature(self, items: List[MultimodalDataItem]) -> torch.Tensor:

@@ -16,18 +16,18 @@
 
 import logging
 from itertools import islice
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from sglang.srt.distributed import (
-    get_pp_group,
-    get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_reduce,
+from sglang.srt.layers.layer_boundary import (
+    append_stages,
+    declare_attn,
+    declare_ffn,
 )
-from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     QKVParallelLinear,
@@ -42,8 +42,11 @@ from sglang.srt.layers.rotary_embedding import Ernie4_5_VLRotaryEmbedding
 from sglang.srt.layers.utils import PPMissingLayer
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
+from sglang.srt.model_executor.runner import get_is_capture_mode
 from sglang.srt.models.deepseek_v2 import DeepseekV2MLP as Ernie4_5_VLMoeMLP
-from sglang.srt.utils import add_prefix, make_layers
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils import add_prefix, make_pp_layers
+from sglang.srt.utils.hf_transformers.common import get_rope_config
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class Ernie4_5_VLMoeAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = get_parallel().tp_size
         self.total_num_heads = num_heads
         assert self.total_num_heads % tp_size == 0
         self.num_heads = self.total_num_heads // tp_size
@@ -107,6 +110,7 @@ class Ernie4_5_VLMoeAttention(nn.Module):
             hidden_size,
             bias=bias,
             quant_config=quant_config,
+            reduce_results=False,
             prefix=add_prefix("o_proj", prefix),
         )
 
@@ -158,7 +162,7 @@ class Ernie4_5_VLMoeMoE(nn.Module):
     ):
         super().__init__()
         self.layer_id = layer_id
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_size = get_parallel().tp_size
         self.moe_num_shared_experts = getattr(config, "moe_num_shared_experts", 0)
         self.hidden_size = config.hidden_size
 
@@ -205,6 +209,7 @@ class Ernie4_5_VLMoeMoE(nn.Module):
 
             self.text_experts_topk = TopK(
                 top_k=config.moe_k,
+                layer_id=self.layer_id,
                 renormalize=True,
                 use_grouped_topk=False,
                 correction_bias=self.e_score_correction_bias[0],
@@ -219,13 +224,13 @@ class Ernie4_5_VLMoeMoE(nn.Module):
                 quant_config=quant_config,
                 prefix=add_prefix("text_experts", prefix),
             )
+            self.text_experts_topk.bind_runner_backend(self.text_experts.runner_backend)
 
         assert vision_moe_layer_start_index <= vision_moe_layer_end_index
         if (
             layer_id >= vision_moe_layer_start_index
             and layer_id <= vision_moe_layer_end_index
         ):
-
             self.vision_experts_gate = ReplicatedLinear(
                 config.hidden_size,
                 config.moe_num_experts[1],
@@ -237,6 +242,7 @@ class Ernie4_5_VLMoeMoE(nn.Module):
 
             self.vision_experts_topk = TopK(
                 top_k=config.moe_k,
+                layer_id=self.layer_id,
                 renormalize=True,
                 use_grouped_topk=False,
                 correction_bias=self.e_score_correction_bias[1],
@@ -250,6 +256,9 @@ class Ernie4_5_VLMoeMoE(nn.Module):
                 layer_id=self.layer_id,
                 quant_config=quant_config,
                 prefix=add_prefix("vision_experts", prefix),
+            )
+            self.vision_experts_topk.bind_runner_backend(
+                self.vision_experts.runner_backend
             )
 
         if self.moe_num_shared_experts > 0:
@@ -281,7 +290,7 @@ class Ernie4_5_VLMoeMoE(nn.Module):
         hidden_dim = hidden_states.shape[-1]
         hidden_states = hidden_states.view(-1, hidden_dim)
 
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = get_is_capture_mode()
 
         if visual_token_mask is not None and not capturing:
             all_visual = visual_token_mask.all()
@@ -347,10 +356,26 @@ class Ernie4_5_VLMoeMoE(nn.Module):
         if shared_output is not None:
             final_hidden_states = final_hidden_states + shared_output
 
-        if self.tp_size > 1:
-            final_hidden_states = tensor_model_parallel_all_reduce(final_hidden_states)
-
         return final_hidden_states.view(orig_shape)
+
+
+def _is_moe_layer(config: PretrainedConfig, layer_id: int) -> bool:
+    min_moe_layer_start_index = min(config.moe_layer_start_index)
+    moe_layer_end_index = getattr(
+        config,
+        "moe_layer_end_index",
+        [config.num_hidden_layers - 1, config.num_hidden_layers - 1],
+    )
+    max_moe_layer_end_index = max(moe_layer_end_index)
+    assert min_moe_layer_start_index <= max_moe_layer_end_index
+    moe_layer_interval = getattr(config, "moe_layer_interval", 1)
+    use_moe = getattr(config, "use_moe", max(config.moe_num_experts) > 0)
+    return (
+        use_moe
+        and ((layer_id + 1) % moe_layer_interval == 0)
+        and layer_id >= min_moe_layer_start_index
+        and layer_id <= max_moe_layer_end_index
+    )
 
 
 class Ernie4_5_VLMoeDecoderLayer(nn.Module):
@@ -368,8 +393,7 @@ class Ernie4_5_VLMoeDecoderLayer(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        rope_theta = getattr(config, "rope_theta", 500000)
-        rope_scaling = getattr(config, "rope_scaling", None)
+        rope_theta, rope_scaling = get_rope_config(config)
         rope_is_neox_style = getattr(config, "rope_is_neox_style", False)
         freq_allocation = getattr(config, "freq_allocation", 20)
         max_position_embeddings = getattr(config, "max_position_embeddings", 131072)
@@ -391,26 +415,9 @@ class Ernie4_5_VLMoeDecoderLayer(nn.Module):
         )
 
         # MoE
-        moe_layer_start_index = config.moe_layer_start_index
-        min_moe_layer_start_index = min(moe_layer_start_index)
-        moe_layer_end_index = getattr(
-            config,
-            "moe_layer_end_index",
-            [config.num_hidden_layers - 1, config.num_hidden_layers - 1],
-        )
-        max_moe_layer_end_index = max(moe_layer_end_index)
-        assert min_moe_layer_start_index <= max_moe_layer_end_index
-        moe_num_experts = config.moe_num_experts
-        max_moe_num_experts = max(moe_num_experts)
-        moe_layer_interval = getattr(config, "moe_layer_interval", 1)
-        use_moe = getattr(config, "use_moe", max_moe_num_experts > 0)
         # MLP
-        if (
-            use_moe
-            and ((layer_id + 1) % moe_layer_interval == 0)
-            and layer_id >= min_moe_layer_start_index
-            and layer_id <= max_moe_layer_end_index
-        ):
+        attn, ffn = self.stage_facts(config, layer_id)
+        if ffn.sparse:
             self.mlp = Ernie4_5_VLMoeMoE(
                 config=config,
                 layer_id=layer_id,
@@ -423,6 +430,8 @@ class Ernie4_5_VLMoeDecoderLayer(nn.Module):
                 intermediate_size=config.intermediate_size,
                 hidden_act=config.hidden_act,
                 quant_config=quant_config,
+                reduce_results=False,
+                allow_fused_down=False,
                 prefix=add_prefix("mlp", prefix),
             )
 
@@ -430,22 +439,34 @@ class Ernie4_5_VLMoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps
         )
+        self.attn_boundary, self.ffn_boundary = append_stages(
+            (attn, self.input_layernorm),
+            (ffn, self.post_attention_layernorm),
+        )
+
+    @staticmethod
+    def stage_facts(config: PretrainedConfig, layer_id: int):
+        """The stages the layer at ``layer_id`` declares, from the config: the
+        model's shared declaration function (see make_layers)."""
+        sparse = _is_moe_layer(config, layer_id)
+        next_sparse = layer_id + 1 < config.num_hidden_layers and _is_moe_layer(
+            config, layer_id + 1
+        )
+        return (
+            declare_attn(),
+            declare_ffn(sparse=sparse, next_layer_sparse=next_sparse),
+        )
 
     def forward(
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
-        residual: Optional[torch.Tensor],
         visual_token_mask: torch.Tensor | None,
         **kwargs: object,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         # Self Attention
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
         hidden_states = self.self_attn(
             positions=positions,
             hidden_states=hidden_states,
@@ -453,13 +474,13 @@ class Ernie4_5_VLMoeDecoderLayer(nn.Module):
         )
 
         # Fully Connected
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
         if isinstance(self.mlp, Ernie4_5_VLMoeMoE):
             hidden_states = self.mlp(hidden_states, visual_token_mask, **kwargs)
         else:
             hidden_states = self.mlp(hidden_states)
-
-        return hidden_states, residual
+        return self.ffn_boundary.finish(hidden_states, forward_batch)
 
 
 # only used as text backbone for ernie4.5 vl
@@ -472,19 +493,18 @@ class Ernie4_5_VLMoeModel(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.pp_group = get_pp_group()
+        self.pp_group = get_parallel().pp_group
 
         if self.pp_group.is_first_rank:
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size,
                 config.hidden_size,
-                enable_tp=not is_dp_attention_enabled(),
                 prefix=add_prefix("embed_tokens", prefix),
             )
         else:
             self.embed_tokens = PPMissingLayer()
 
-        self.layers, self.start_layer, self.end_layer = make_layers(
+        self.layers, self.start_layer, self.end_layer = make_pp_layers(
             config.num_hidden_layers,
             lambda idx, prefix: Ernie4_5_VLMoeDecoderLayer(
                 layer_id=idx,
@@ -492,9 +512,8 @@ class Ernie4_5_VLMoeModel(nn.Module):
                 quant_config=quant_config,
                 prefix=prefix,
             ),
-            pp_rank=self.pp_group.rank_in_group,
-            pp_size=self.pp_group.world_size,
             prefix=add_prefix("layers", prefix),
+            stage_facts=lambda idx: Ernie4_5_VLMoeDecoderLayer.stage_facts(config, idx),
         )
         if self.pp_group.is_last_rank:
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -520,33 +539,23 @@ class Ernie4_5_VLMoeModel(nn.Module):
                 hidden_states = self.embed_tokens(input_ids)
             else:
                 hidden_states = input_embeds
-            residual = None
+            residual_batch.start(forward_batch)
         else:
             assert pp_proxy_tensors is not None
-            hidden_states = pp_proxy_tensors["hidden_states"]
-            residual = pp_proxy_tensors["residual"]
+            hidden_states = self.layers[self.start_layer].attn_boundary.from_pp(
+                pp_proxy_tensors, forward_batch
+            )
 
         for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(
+            hidden_states = layer(
                 positions,
                 hidden_states,
                 forward_batch,
-                residual,
                 visual_token_mask,
             )
 
         if not self.pp_group.is_last_rank:
-            return PPProxyTensors(
-                {
-                    "hidden_states": hidden_states,
-                    "residual": residual,
-                }
-            )
-
-        if hidden_states.shape[0] != 0:
-            if residual is None:
-                hidden_states = self.norm(hidden_states)
-            else:
-                hidden_states, _ = self.norm(hidden_states, residual)
-
-        return hidden_states
+            return residual_batch.to_pp(hidden_states, forward_batch)
+        return residual_batch.final_norm(
+            hidden_states, forward_batch, self.norm, skip_empty=True
+        )

@@ -5,13 +5,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel, Gemma3nTextConfig, PretrainedConfig, PreTrainedModel
 
-from sglang.srt.distributed import get_tensor_model_parallel_world_size
 from sglang.srt.layers.activation import GeluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor
@@ -25,6 +25,7 @@ from sglang.srt.model_loader.weight_utils import (
     maybe_remap_kv_scale_name,
 )
 from sglang.srt.models.gemma3_causal import Gemma3TextScaledWordEmbedding
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix, make_layers
 
 
@@ -183,21 +184,21 @@ class Gemma3nAltUp(nn.Module):
         self.correct_output_scale = nn.Parameter(
             torch.zeros(config.hidden_size, dtype=torch.float32)
         )
-        self.correction_coefs = ColumnParallelLinear(
+        self.correction_coefs = ReplicatedLinear(
             config.altup_num_inputs,
             config.altup_num_inputs,
             bias=False,
             quant_config=quant_config,
             prefix=add_prefix("correction_coefs", prefix),
         )
-        self.prediction_coefs = ColumnParallelLinear(
+        self.prediction_coefs = ReplicatedLinear(
             config.altup_num_inputs,
             config.altup_num_inputs**2,
             bias=False,
             quant_config=quant_config,
             prefix=add_prefix("prediction_coefs", prefix),
         )
-        self.modality_router = ColumnParallelLinear(
+        self.modality_router = ReplicatedLinear(
             config.hidden_size,
             config.altup_num_inputs,
             bias=False,
@@ -324,7 +325,7 @@ class Gemma3nAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.config = config
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = get_parallel().tp_size
 
         self.total_num_heads = config.num_attention_heads
         assert self.total_num_heads % tp_size == 0
@@ -388,16 +389,21 @@ class Gemma3nAttention(nn.Module):
                 self.head_dim,
                 rotary_dim=self.head_dim,
                 max_position=config.max_position_embeddings,
-                base=config.rope_local_base_freq,
+                base=config.rope_parameters.get("sliding_attention", {}).get(
+                    "rope_theta", 10000.0
+                ),
                 rope_scaling={"rope_type": "default"},
             )
         else:
+            full_attn_rope = config.rope_parameters.get("full_attention", {})
             self.rotary_emb = get_rope(
                 self.head_dim,
                 rotary_dim=self.head_dim,
                 max_position=config.max_position_embeddings,
-                base=config.rope_theta,
-                rope_scaling=config.rope_scaling,
+                base=full_attn_rope.get("rope_theta", 1000000.0),
+                rope_scaling=(
+                    full_attn_rope if full_attn_rope else {"rope_type": "default"}
+                ),
             )
 
         self.sliding_window = config.sliding_window if self.is_sliding else None
@@ -545,14 +551,14 @@ class Gemma3nDecoderLayer(nn.Module):
             config, quant_config, prefix=add_prefix("laurel", prefix)
         )
 
-        self.per_layer_input_gate = ColumnParallelLinear(
+        self.per_layer_input_gate = ReplicatedLinear(
             self.hidden_size,
             self.hidden_size_per_layer_input,
             bias=False,
             quant_config=quant_config,
             prefix=add_prefix("per_layer_input_gate", prefix),
         )
-        self.per_layer_projection = RowParallelLinear(
+        self.per_layer_projection = ReplicatedLinear(
             self.hidden_size_per_layer_input,
             self.hidden_size,
             bias=False,
@@ -677,6 +683,7 @@ class Gemma3nTextModel(PreTrainedModel):
             self.hidden_size,
             config.num_hidden_layers * config.hidden_size_per_layer_input,
             bias=False,
+            gather_output=True,
             quant_config=quant_config,
             prefix=add_prefix("per_layer_model_projection", prefix),
         )
@@ -692,6 +699,7 @@ class Gemma3nTextModel(PreTrainedModel):
                 self.hidden_size,
                 self.hidden_size,
                 bias=False,
+                gather_output=True,
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -704,6 +712,7 @@ class Gemma3nTextModel(PreTrainedModel):
                 self.hidden_size,
                 self.hidden_size,
                 bias=False,
+                gather_output=True,
                 quant_config=quant_config,
                 prefix=prefix,
             ),
@@ -782,9 +791,6 @@ class Gemma3nTextModel(PreTrainedModel):
 
         per_layer_inputs = self.project_per_layer_inputs(input_embeds, per_layer_inputs)
 
-        if positions.dim() == 1:
-            positions = positions.unsqueeze(0)
-
         # Expand hidden_states to support per-layer inputs
         target_magnitude = torch.mean(input_embeds**2, dim=-1, keepdim=True) ** 0.5
         epsilon_tensor = torch.tensor(torch.finfo(input_embeds.dtype).min)
@@ -849,7 +855,7 @@ class Gemma3nTextModel(PreTrainedModel):
 class Gemma3nForCausalLM(PreTrainedModel):
     config_class = Gemma3nTextConfig
 
-    _tied_weights_keys = ["lm_head.weight"]
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_rep"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
     config_class = Gemma3nTextConfig

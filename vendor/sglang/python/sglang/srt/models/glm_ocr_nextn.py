@@ -21,11 +21,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from sglang.srt.distributed import get_tensor_model_parallel_world_size
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+from sglang.srt.layers.layer_boundary import layer_stack
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.moe.utils import is_shared_experts_fusion_disabled
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.vocab_parallel_embedding import (
     ParallelLMHead,
@@ -34,8 +36,9 @@ from sglang.srt.layers.vocab_parallel_embedding import (
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.models.glm4 import Glm4DecoderLayer
 from sglang.srt.models.glm_ocr import GlmOcrForConditionalGeneration
-from sglang.srt.server_args import get_global_server_args
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
+from sglang.srt.utils.hf_transformers_utils import get_rope_config
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ class GlmOcrModelNextN(nn.Module):
     ) -> None:
         super().__init__()
         if quant_config is not None and quant_config.get_name() == "modelopt_fp4":
-            logger.warning(
+            logger.debug(
                 "Overriding GlmOcrModelNextN quant config for modelopt_fp4 GLM-OCR model."
             )
             quant_config = None
@@ -68,12 +71,13 @@ class GlmOcrModelNextN(nn.Module):
 
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
 
-        self.decoder = Glm4DecoderLayer(
-            config,
-            0,
-            quant_config=quant_config,
-            prefix=add_prefix("decoder", prefix),
-        )
+        with layer_stack():
+            self.decoder = Glm4DecoderLayer(
+                config,
+                0,
+                quant_config=quant_config,
+                prefix=add_prefix("decoder", prefix),
+            )
 
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -86,9 +90,20 @@ class GlmOcrModelNextN(nn.Module):
         input_embeds: torch.Tensor = None,
     ) -> torch.Tensor:
         if input_embeds is None:
-            hidden_states = self.embed_tokens(input_ids)
-        else:
-            hidden_states = input_embeds
+            input_embeds = forward_batch.mm_input_embeds
+            if (
+                forward_batch.forward_mode.is_extend()
+                and forward_batch.contains_mm_inputs()
+                and not forward_batch.forward_mode.is_draft_extend_v2()
+            ):
+                assert input_embeds is not None
+                last_indices = (
+                    forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
+                ).long()
+                input_embeds[last_indices] = self.embed_tokens(input_ids[last_indices])
+            if input_embeds is None:
+                input_embeds = self.embed_tokens(input_ids)
+        hidden_states = input_embeds
 
         if hidden_states.shape[0] > 0:
             hidden_states = self.eh_proj(
@@ -101,19 +116,13 @@ class GlmOcrModelNextN(nn.Module):
                 )
             )
 
-        residual = None
+        residual_batch.start(forward_batch)
         with get_global_expert_distribution_recorder().disable_this_region():
-            hidden_states, residual = self.decoder(
-                positions, hidden_states, forward_batch, residual
-            )
+            hidden_states = self.decoder(positions, hidden_states, forward_batch)
 
-        if not forward_batch.forward_mode.is_idle():
-            if residual is not None:
-                hidden_states, _ = self.shared_head.norm(hidden_states, residual)
-            else:
-                hidden_states = self.shared_head.norm(hidden_states)
-
-        return hidden_states
+        return residual_batch.final_norm(
+            hidden_states, forward_batch, self.shared_head.norm, skip_empty=True
+        )
 
 
 class GlmOcrForConditionalGenerationNextN(GlmOcrForConditionalGeneration):
@@ -125,8 +134,9 @@ class GlmOcrForConditionalGenerationNextN(GlmOcrForConditionalGeneration):
     ) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.tp_size = get_tensor_model_parallel_world_size()
         self.quant_config = quant_config
+        _, rope_scaling = get_rope_config(config)
+        self.is_mrope_enabled = "mrope_section" in (rope_scaling or {})
         self.model = GlmOcrModelNextN(
             config, quant_config, prefix=add_prefix("model", prefix)
         )
@@ -135,13 +145,11 @@ class GlmOcrForConditionalGenerationNextN(GlmOcrForConditionalGeneration):
             config.hidden_size,
             quant_config=quant_config,
             prefix=add_prefix("model.shared_head.head", prefix),
-            use_attn_tp_group=get_global_server_args().enable_dp_lm_head,
+            use_attn_tp_group=get_parallel().enable_dp_lm_head,
         )
         self.logits_processor = LogitsProcessor(config)
 
-        self.num_fused_shared_experts = (
-            0 if get_global_server_args().disable_shared_experts_fusion else 1
-        )
+        self.num_fused_shared_experts = 0 if is_shared_experts_fusion_disabled() else 1
 
     @torch.no_grad()
     def forward(
@@ -150,6 +158,8 @@ class GlmOcrForConditionalGenerationNextN(GlmOcrForConditionalGeneration):
         positions: torch.Tensor,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
+        if self.is_mrope_enabled and forward_batch.mrope_positions is not None:
+            positions = forward_batch.mrope_positions
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(
             input_ids, hidden_states, self.lm_head, forward_batch

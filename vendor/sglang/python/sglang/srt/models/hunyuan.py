@@ -21,8 +21,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
 from sglang.srt.eplb.expert_distribution import ExpertDistributionRecorder
@@ -34,6 +32,7 @@ from sglang.srt.layers.linear import (
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    resolve_linear_parallel_group,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
@@ -52,7 +51,9 @@ from sglang.srt.model_loader.weight_utils import (
     kv_cache_scales_loader,
     maybe_remap_kv_scale_name,
 )
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import is_hip
+from sglang.srt.utils.hf_transformers_utils import get_rope_config
 
 expert_distribution_recorder = ExpertDistributionRecorder()
 
@@ -74,7 +75,6 @@ def _get_cla_factor(config: PretrainedConfig) -> int:
 
 
 class HunYuanMLP(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -103,8 +103,7 @@ class HunYuanMLP(nn.Module):
         )
         if hidden_act != "silu":
             raise ValueError(
-                f"Unsupported activation: {hidden_act}. "
-                "Only silu is supported for now."
+                f"Unsupported activation: {hidden_act}. Only silu is supported for now."
             )
         self.act_fn = SiluAndMul()
 
@@ -116,7 +115,6 @@ class HunYuanMLP(nn.Module):
 
 
 class HunYuanSparseMoeBlock(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -124,7 +122,7 @@ class HunYuanSparseMoeBlock(nn.Module):
         layer_id: int = -1,
     ):
         super().__init__()
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_size = get_parallel().tp_size
 
         if self.tp_size > config.num_experts:
             raise ValueError(
@@ -163,6 +161,7 @@ class HunYuanSparseMoeBlock(nn.Module):
             layer_id=layer_id,
             quant_config=quant_config,
         )
+        self.topk.bind_runner_backend(self.experts.runner_backend)
 
         self.gate = ReplicatedLinear(
             config.hidden_size, config.num_experts, bias=False, quant_config=None
@@ -244,7 +243,6 @@ def check_head_dim(config):
 
 
 class HunYuanAttention(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -262,7 +260,7 @@ class HunYuanAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = get_parallel().tp_size
         self.total_num_heads = num_heads
         assert self.total_num_heads % tp_size == 0
         self.num_heads = self.total_num_heads // tp_size
@@ -385,7 +383,6 @@ class HunYuanAttention(nn.Module):
 
 
 class HunYuanDecoderLayer(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -402,8 +399,7 @@ class HunYuanDecoderLayer(nn.Module):
             if isinstance(config.intermediate_size, int)
             else config.intermediate_size[layer_id]
         )
-        rope_theta = getattr(config, "rope_theta", 10000)
-        rope_scaling = getattr(config, "rope_scaling", None)
+        rope_theta, rope_scaling = get_rope_config(config)
         if rope_scaling is not None and getattr(
             config, "original_max_position_embeddings", None
         ):
@@ -484,7 +480,6 @@ class HunYuanDecoderLayer(nn.Module):
 
 
 class HunYuanModel(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -532,21 +527,14 @@ class HunYuanModel(nn.Module):
             hidden_states = self.get_input_embeddings(input_ids)
         residual = None
 
-        prev_kv_states = None
-        for i in range(len(self.layers)):
-            layer = self.layers[i]
-            hidden_states, residual, kv_states = layer(
+        for layer in self.layers:
+            hidden_states, residual, _ = layer(
                 positions,
                 hidden_states,
                 forward_batch,
                 residual,
-                prev_kv_states,
+                None,
             )
-
-            if False:  # (i - self.start_layer) % cla_factor == 0:
-                prev_kv_states = kv_states
-            else:
-                prev_kv_states = None
 
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -587,6 +575,7 @@ class HunYuanMoEV1ForCausalLM(nn.Module):
         super().__init__()
 
         self.config = config
+        self._kv_cache_parallel_layout = resolve_linear_parallel_group("tp")
 
         self.model = HunYuanModel(config, quant_config, prefix="model")
         self.unpadded_vocab_size = config.vocab_size
@@ -783,8 +772,7 @@ class HunYuanMoEV1ForCausalLM(nn.Module):
     # factors (or else raise an exception). Thus, handled exceptions should
     # make sure to leave KV cache scale factors in a known good (dummy) state
     def load_kv_cache_scales(self, quantization_param_path: str) -> None:
-        tp_size = get_tensor_model_parallel_world_size()
-        tp_rank = get_tensor_model_parallel_rank()
+        tp_rank, tp_size = self._kv_cache_parallel_layout
         for layer_idx, scaling_factor in kv_cache_scales_loader(
             quantization_param_path,
             tp_rank,
@@ -805,7 +793,7 @@ class HunYuanMoEV1ForCausalLM(nn.Module):
                 layer_self_attn.attn._kv_scale = scaling_factor
             else:
                 raise RuntimeError(
-                    "Self attention has no KV cache scaling " "factor attribute!"
+                    "Self attention has no KV cache scaling factor attribute!"
                 )
 
 

@@ -1,3 +1,4 @@
+from array import array
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -8,8 +9,8 @@ from sglang.srt.layers.attention import vision_utils
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.managers.mm_utils import (
-    MultiModalityDataPaddingPatternTokenPairs,
     general_mm_embed_routine,
+    pad_mm_token_pairs,
 )
 from sglang.srt.managers.schedule_batch import (
     Modality,
@@ -154,15 +155,16 @@ class InternS1ForConditionalGeneration(nn.Module):
 
         return hs
 
-    def pad_input_ids(self, input_ids: List[int], mm_inputs: MultimodalInputs):
+    def pad_input_ids(self, input_ids: array, mm_inputs: MultimodalInputs) -> array:
         # Get all special token IDs
         im_start_id: int = mm_inputs.im_start_id
         im_end_id: int = mm_inputs.im_end_id
 
         media_token_pairs = [(im_start_id, im_end_id)]
-        helper = MultiModalityDataPaddingPatternTokenPairs(media_token_pairs)
 
-        return helper.pad_input_tokens(input_ids, mm_inputs)
+        return pad_mm_token_pairs(
+            input_ids, mm_inputs, data_token_pairs=media_token_pairs
+        )
 
     def _mapping_interns1_name(self, name):
         names_map = {
@@ -186,7 +188,6 @@ class InternS1ForConditionalGeneration(nn.Module):
             name = "vision_model." + name[len("model.vision_tower.") :]
 
         if name.startswith("vision_model.encoder.layer"):
-
             name = name.replace(r".layer.", r".layers.")
             name = name.replace(r".attention.", r".attn.attn.")
             name = name.replace(r".projection_layer.", r".proj.")
@@ -211,7 +212,7 @@ class InternS1ForConditionalGeneration(nn.Module):
                 ckpt_gate_proj_name="gate_proj",
                 ckpt_down_proj_name="down_proj",
                 ckpt_up_proj_name="up_proj",
-                num_experts=self.config.num_experts,
+                num_experts=self.config.text_config.num_experts,
             )
 
         params_dict = dict(self.named_parameters())

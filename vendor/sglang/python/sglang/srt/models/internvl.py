@@ -1,3 +1,6 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+from array import array
 from typing import Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -9,20 +12,23 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPooling
 
-from sglang.srt.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-)
 from sglang.srt.environ import envs
 from sglang.srt.layers.activation import get_act_fn
 from sglang.srt.layers.attention import vision_utils
-from sglang.srt.layers.attention.vision import SingletonCache, VisionAttention
+from sglang.srt.layers.attention.vision import (
+    SingletonCache,
+    VisionAttention,
+    VisionAttentionMetadata,
+    _get_cu_seqlens_for_shape,
+    prepare_vision_attention_metadata,
+)
+from sglang.srt.layers.conv import Conv2dLayer
 from sglang.srt.layers.linear import ColumnParallelLinear, RowParallelLinear
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.managers.mm_utils import (
-    MultiModalityDataPaddingPatternTokenPairs,
     general_mm_embed_routine,
+    pad_mm_token_pairs,
 )
 from sglang.srt.managers.schedule_batch import (
     Modality,
@@ -41,7 +47,7 @@ from sglang.srt.multimodal.internvl_vit_cuda_graph_runner import (
     InternViTCudaGraphRunner,
 )
 from sglang.srt.multimodal.mm_utils import run_dp_sharded_vision_model
-from sglang.srt.server_args import get_global_server_args
+from sglang.srt.runtime_context import get_mm
 from sglang.srt.utils import is_cuda
 from sglang.utils import logger
 
@@ -87,8 +93,14 @@ class InternAttention(nn.Module):
         hidden_states: torch.Tensor,
         cu_seqlens: torch.Tensor,
         output_ws: Optional[torch.Tensor] = None,
+        forward_metadata: Optional[VisionAttentionMetadata] = None,
     ) -> torch.Tensor:
-        out = self.attn(hidden_states, cu_seqlens=cu_seqlens, output_ws=output_ws)
+        out = self.attn(
+            hidden_states,
+            cu_seqlens=cu_seqlens,
+            output_ws=output_ws,
+            forward_metadata=forward_metadata,
+        )
         outs = self.proj_drop(out)
         return outs
 
@@ -113,7 +125,7 @@ class InternVisionEmbeddings(nn.Module):
             torch.randn(1, 1, self.embed_dim),
         )
 
-        self.patch_embedding = nn.Conv2d(
+        self.patch_embedding = Conv2dLayer(
             in_channels=3,
             out_channels=self.embed_dim,
             kernel_size=self.patch_size,
@@ -188,10 +200,7 @@ class InternMLP(nn.Module):
         use_data_parallel: bool = False,
     ):
         super().__init__()
-        self.tp_size = (
-            1 if use_data_parallel else get_tensor_model_parallel_world_size()
-        )
-        self.tp_rank = 0 if use_data_parallel else get_tensor_model_parallel_rank()
+        parallel_group = "replicated" if use_data_parallel else "tp"
         self.config = config
         self.act = get_act_fn(config.hidden_act)
         self.fc1 = ColumnParallelLinear(
@@ -199,16 +208,14 @@ class InternMLP(nn.Module):
             config.intermediate_size,
             bias=True,
             quant_config=None,
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
+            parallel_group=parallel_group,
         )
         self.fc2 = RowParallelLinear(
             config.intermediate_size,
             config.hidden_size,
             bias=True,
             quant_config=None,
-            tp_size=self.tp_size,
-            tp_rank=self.tp_rank,
+            parallel_group=parallel_group,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -225,7 +232,6 @@ NORM2FN = {
 
 
 class InternVisionEncoderLayer(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -262,11 +268,8 @@ class InternVisionEncoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         cu_seqlens: torch.Tensor,
         output_ws: Optional[torch.Tensor] = None,
-    ) -> Tuple[
-        torch.FloatTensor,
-        Optional[torch.FloatTensor],
-        Optional[Tuple[torch.FloatTensor]],
-    ]:
+        forward_metadata: Optional[VisionAttentionMetadata] = None,
+    ) -> torch.FloatTensor:
         """
         Args:
             hidden_states (`Tuple[torch.FloatTensor, Optional[torch.FloatTensor]]`): input to the layer of shape `(batch, seq_len, embed_dim)`
@@ -277,6 +280,7 @@ class InternVisionEncoderLayer(nn.Module):
                 self.norm1(hidden_states).to(hidden_states.dtype),
                 cu_seqlens=cu_seqlens,
                 output_ws=output_ws,
+                forward_metadata=forward_metadata,
             )
             * self.ls1
         )
@@ -332,6 +336,7 @@ class InternVisionEncoder(nn.Module):
     def forward(
         self,
         inputs_embeds,
+        cu_seqlens=None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
     ) -> Union[Tuple, BaseModelOutput]:
@@ -346,7 +351,6 @@ class InternVisionEncoder(nn.Module):
                 Whether or not to return a [`~utils.ModelOutput`] instead of a plain tuple.
         """
         if self.enable_cg and (not output_hidden_states):
-            # graph path only returns last_hidden_state
             hidden_states = inputs_embeds.to(device=inputs_embeds.device).contiguous()
             hidden_states = self.cuda_graph_runner.run(hidden_states)
             if not return_dict:
@@ -365,12 +369,27 @@ class InternVisionEncoder(nn.Module):
         encoder_states = () if output_hidden_states else None
         hidden_states = inputs_embeds
 
-        cu_seqlens = SingletonCache()
+        if cu_seqlens is None:
+            bsz, seq_len, _ = inputs_embeds.shape
+            cu_seqlens = _get_cu_seqlens_for_shape(
+                bsz, seq_len, device=inputs_embeds.device
+            )
+        forward_metadata = None
+        if isinstance(cu_seqlens, torch.Tensor):
+            forward_metadata = prepare_vision_attention_metadata(
+                cu_seqlens, device=inputs_embeds.device
+            )
+        elif cu_seqlens is None:
+            cu_seqlens = SingletonCache()
 
         for idx, encoder_layer in enumerate(self.layers):
             if output_hidden_states:
                 encoder_states = encoder_states + (hidden_states,)
-            layer_outputs = encoder_layer(hidden_states, cu_seqlens=cu_seqlens)
+            layer_outputs = encoder_layer(
+                hidden_states,
+                cu_seqlens=cu_seqlens,
+                forward_metadata=forward_metadata,
+            )
             hidden_states = layer_outputs
 
         if output_hidden_states:
@@ -498,7 +517,7 @@ class InternVLChatModel(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.use_data_parallel = get_global_server_args().mm_enable_dp_encoder
+        self.use_data_parallel = get_mm().mm_enable_dp_encoder
         self.quant_config = quant_config
         vision_utils.update_vit_attn_dummy_heads_config(self.config)
         image_size = config.force_image_size or config.vision_config.image_size
@@ -616,6 +635,10 @@ class InternVLChatModel(nn.Module):
             image_features (`torch.Tensor`): Image feature tensor of shape `(num_images, image_length, embed_dim)`).
         """
         pixel_values = torch.cat([item.feature for item in items])
+        # If already precomputed embeddings (not raw pixel values), skip vision encoder.
+        # Normal pixel_values are 4D [N, C, H, W]; precomputed embeddings are 2D or 3D.
+        if pixel_values.dim() != 4:
+            return pixel_values
         image_features = self.extract_feature(pixel_values)
         return image_features
 
@@ -623,6 +646,9 @@ class InternVLChatModel(nn.Module):
         # items: each item corresponds to one video (recommended)
         # item.feature shape: [num_frames, 3, 448, 448]  (or [num_tiles, 3, 448, 448])
         pixel_values = torch.cat([item.feature for item in items], dim=0)
+        # If already precomputed embeddings, skip vision encoder.
+        if pixel_values.dim() != 4:
+            return pixel_values
         video_features = self.extract_feature(pixel_values)
         return video_features
 
@@ -646,15 +672,16 @@ class InternVLChatModel(nn.Module):
 
         return hidden_states
 
-    def pad_input_ids(self, input_ids: List[int], mm_inputs: MultimodalInputs):
+    def pad_input_ids(self, input_ids: array, mm_inputs: MultimodalInputs) -> array:
         # Get all special token IDs
         im_start_id: int = mm_inputs.im_start_id
         im_end_id: int = mm_inputs.im_end_id
 
         media_token_pairs = [(im_start_id, im_end_id)]
-        helper = MultiModalityDataPaddingPatternTokenPairs(media_token_pairs)
 
-        return helper.pad_input_tokens(input_ids, mm_inputs)
+        return pad_mm_token_pairs(
+            input_ids, mm_inputs, data_token_pairs=media_token_pairs
+        )
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
         expert_params_mapping = []
@@ -687,7 +714,9 @@ class InternVLChatModel(nn.Module):
                 ckpt_gate_proj_name="gate_proj",
                 ckpt_down_proj_name="down_proj",
                 ckpt_up_proj_name="up_proj",
-                num_experts=self.config.num_experts,
+                # InternVLChatConfig has no top-level num_experts; the MoE config lives on
+                # the nested llm_config (the Qwen3MoE text backbone).
+                num_experts=self.config.llm_config.num_experts,
             )
         elif "Qwen3ForCausalLM" in self.config.llm_config.architectures:
             stacked_params_mapping = [

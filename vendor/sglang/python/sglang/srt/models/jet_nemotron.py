@@ -5,11 +5,11 @@ import einops
 import torch
 import torch.nn as nn
 
-from sglang.srt.configs.jet_nemotron import JetBlockConfig, JetNemotronConfig
-from sglang.srt.layers.attention.fla.fused_recurrent import (
+from sglang.kernels.ops.attention.fla.fused_recurrent import (
     fused_recurrent_gated_delta_rule_update,
 )
-from sglang.srt.layers.attention.fla.layernorm_gated import RMSNorm as RMSNormGated
+from sglang.kernels.ops.attention.fla.layernorm_gated import RMSNorm as RMSNormGated
+from sglang.srt.configs.jet_nemotron import JetBlockConfig, JetNemotronConfig
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import (
     HybridLinearAttnBackend,
     MambaAttnBackendBase,
@@ -28,9 +28,11 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.qwen2 import Qwen2MLP, Qwen2Model
 from sglang.srt.utils import add_prefix
+from sglang.srt.utils.hf_transformers_utils import get_rope_config
 
 
 class DynamicShortConvolutionKernelGenerator(nn.Module):
@@ -258,11 +260,9 @@ class JetBlock(nn.Module):
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        assert isinstance(forward_batch.attn_backend, HybridLinearAttnBackend)
-        assert isinstance(
-            forward_batch.attn_backend.linear_attn_backend, MambaAttnBackendBase
-        )
-        linear_attn_backend = forward_batch.attn_backend.linear_attn_backend
+        assert isinstance(get_attn_backend(), HybridLinearAttnBackend)
+        assert isinstance(get_attn_backend().linear_attn_backend, MambaAttnBackendBase)
+        linear_attn_backend = get_attn_backend().linear_attn_backend
         forward_metadata = linear_attn_backend.forward_metadata
         layer_cache = linear_attn_backend.req_to_token_pool.mamba2_layer_cache(
             self.layer_id
@@ -287,7 +287,7 @@ class JetBlock(nn.Module):
         k = nn.functional.silu(k)
         k = einops.rearrange(k, "l (h d) -> l h d", h=self.num_heads, d=self.head_k_dim)
 
-        conv_cache = layer_cache.conv
+        conv_cache = layer_cache.conv[0]
         assert isinstance(conv_cache, torch.Tensor)
         v, new_conv_state = self.dynamic_conv1d(
             v,
@@ -370,12 +370,13 @@ class JetNemotronAttention(nn.Module):
             prefix=add_prefix("o_proj", prefix),
         )
 
+        rope_theta, rope_scaling = get_rope_config(self.config)
         self.rotary_emb = get_rope(
             self.head_dim,
             rotary_dim=self.head_dim,
             max_position=self.config.max_position_embeddings,
-            base=int(self.config.rope_theta),
-            rope_scaling=self.config.rope_scaling,
+            base=int(rope_theta),
+            rope_scaling=rope_scaling,
         )
 
         match self.config.layer_types[layer_id]:
@@ -421,10 +422,12 @@ class JetNemotronDecoderLayer(nn.Module):
         config: JetNemotronConfig,
         alt_stream: torch.cuda.Stream | None = None,
         layer_id: int = 0,
+        start_layer: int = 0,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ) -> None:
         super().__init__()
+        self.start_layer = start_layer
 
         match config.layer_types[layer_id]:
             case "attn" | "swa":
@@ -458,13 +461,18 @@ class JetNemotronDecoderLayer(nn.Module):
             config.hidden_size, eps=config.rms_norm_eps
         )
 
+    @staticmethod
+    def stage_facts(config: JetNemotronConfig, layer_id: int):
+        """None: the layer adds its own residual, so it declares no stages.
+        The model's shared declaration function (see make_layers)."""
+        return ()
+
     def forward(
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
-        residual: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> torch.Tensor:
         # Self Attention
         residual = hidden_states
 
@@ -487,7 +495,29 @@ class JetNemotronDecoderLayer(nn.Module):
 
         hidden_states = residual + hidden_states
 
-        return hidden_states, None
+        return hidden_states
+
+
+class JetNemotronModel(Qwen2Model):
+    """Each decoder layer adds its own residual, so the stack runs without a
+    residual stream and ends with the final norm alone."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if input_embeds is None:
+            hidden_states = self.embed_tokens(input_ids)
+        else:
+            hidden_states = input_embeds
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states, forward_batch)
+        if hidden_states.shape[0] != 0:
+            hidden_states = self.norm(hidden_states)
+        return hidden_states
 
 
 class JetNemotronForCausalLM(nn.Module):
@@ -502,7 +532,7 @@ class JetNemotronForCausalLM(nn.Module):
         self.config = config
         self.quant_config = quant_config
 
-        self.model = Qwen2Model(
+        self.model = JetNemotronModel(
             config,
             quant_config=quant_config,
             prefix=add_prefix("model", prefix),
@@ -521,6 +551,12 @@ class JetNemotronForCausalLM(nn.Module):
 
         self.logits_processor = LogitsProcessor(config)
         self.pooler = Pooler(PoolingType.LAST, normalize=True)
+
+    def get_attention_sliding_window_size(self) -> int | None:
+        swa = self.config.efficient_attention_config.get("swa")
+        if swa is None or "swa" not in self.config.layer_types:
+            return None
+        return swa["window_size"]
 
     @torch.no_grad()
     def forward(

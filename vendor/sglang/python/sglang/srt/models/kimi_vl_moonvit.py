@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # ruff: noqa: E501
 # Adapted from https://huggingface.co/moonshotai/Kimi-VL-A3B-Instruct/blob/main/modeling_kimi_vl.py
-# This file is meant to be used in kimi_vl.py only
+# Shared MoonViT building blocks for kimi_vl.py and kimi_k25.py
 # Copyright 2025 The Moonshot AI Team, DeepSeek-AI, and HuggingFace Inc. team. All rights reserved.
 #
 # The code is based on llava (llava/modeling_llava.py) and DeepSeek-V3 (DeepSeek-V3/modeling_deepseek.py), but modified for KimiVL.
@@ -52,112 +52,25 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.modeling_utils import PreTrainedModel
 
-try:
-    from flash_attn.flash_attn_interface import flash_attn_varlen_func
-except ImportError:
-    flash_attn_varlen_func = None
-
 from sglang.srt.configs import MoonViTConfig
+from sglang.srt.layers.attention.vision import (
+    VisionAttention,
+    VisionAttentionMetadata,
+    prepare_vision_attention_metadata,
+)
+from sglang.srt.layers.conv import Conv2dLayer
+from sglang.srt.layers.dp_attention import reject_attn_tp_shard_with_tp_reduce
+from sglang.srt.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.srt.layers.quantization import QuantizationConfig
+from sglang.srt.layers.quantization.modelslim.modelslim import ModelSlimConfig
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils import add_prefix, get_device
 
-
-def multihead_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu_seqlens: Optional[torch.Tensor] = None,
-    k_cu_seqlens: Optional[torch.Tensor] = None,
-):
-    """Multi-head attention using flash attention 2.
-    This function is used to handle the case where the query, key, and value are packed.
-    Args:
-        q, k, v: tensor of shape (tot_seqlens, num_heads, head_dim).
-        q_cu_seqlens (torch.Tensor): cumulative sequence lengths of q.
-            The first element should be 0 and the last element should be q.shape[0].
-        k_cu_seqlens (torch.Tensor): cumulative sequence lengths of k.
-            The first element should be 0 and the last element should be k.shape[0].
-
-    Returns:
-        output: shape (batch_size, seqlen, dim) or (tot_seqlens, dim) if packing,
-            where dim = num_heads * head_dim
-    """
-    if flash_attn_varlen_func is None:
-        raise ImportError(
-            "flash_attn is not installed, this function needs flash_attn_varlen_func from flash_attn"
-        )
-    # Unified format legal check
-    assert q.dim() == k.dim() == v.dim() == 3, "q, k, v must have 3 dims"
-    assert q_cu_seqlens[-1] == q.shape[0], "q_cu_seqlens must sum to q.shape[0]"
-    assert (
-        k_cu_seqlens[-1] == k.shape[0] == v.shape[0]
-    ), "k_cu_seqlens must sum to k.shape[0]"
-    assert q.dtype in [
-        torch.bfloat16,
-        torch.float16,
-    ], f"unsupported dtype {q.dtype} for multihead attn"
-
-    max_seqlen_q = (q_cu_seqlens[1:] - q_cu_seqlens[:-1]).max().item()
-    max_seqlen_k = (k_cu_seqlens[1:] - k_cu_seqlens[:-1]).max().item()
-    attn_out = flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        q_cu_seqlens,
-        k_cu_seqlens,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal=False,
-    )
-    attn_out = attn_out.flatten(start_dim=-2)
-
-    return attn_out
-
-
-def sdpa_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_cu_seqlens: Optional[torch.Tensor] = None,
-    k_cu_seqlens: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Multi-head attention using torch scaled dot product attention.
-    This function is used to handle the case where the query, key, and value are packed.
-    Args:
-        q, k, v: tensor of shape (tot_seqlens, num_heads, head_dim).
-        q_cu_seqlens (torch.Tensor): cumulative sequence lengths of q.
-            The first element should be 0 and the last element should be q.shape[0].
-        k_cu_seqlens (torch.Tensor): cumulative sequence lengths of k.
-            The first element should be 0 and the last element should be k.shape[0].
-
-    Returns:
-        output: shape (batch_size, seqlen, dim) or (tot_seqlens, dim) if packing,
-            where dim = num_heads * head_dim
-    """
-    # Unified format legal check
-    assert q.dim() == k.dim() == v.dim() == 3, "q, k, v must have 3 dims"
-    assert q_cu_seqlens[-1] == q.shape[0], "q_cu_seqlens must sum to q.shape[0]"
-    seq_length = q.shape[0]
-    attention_mask = torch.zeros(
-        [1, seq_length, seq_length], device=q.device, dtype=torch.bool
-    )
-    for i in range(1, len(q_cu_seqlens)):
-        attention_mask[
-            ...,
-            q_cu_seqlens[i - 1] : q_cu_seqlens[i],
-            q_cu_seqlens[i - 1] : q_cu_seqlens[i],
-        ] = True
-    q = q.transpose(0, 1)
-    k = k.transpose(0, 1)
-    v = v.transpose(0, 1)
-    attn_output = F.scaled_dot_product_attention(q, k, v, attention_mask, dropout_p=0.0)
-    attn_output = attn_output.transpose(0, 1)
-    attn_output = attn_output.reshape(seq_length, -1)
-    return attn_output
-
-
-VL_VISION_ATTENTION_FUNCTIONS = {
-    "flash_attention_2": multihead_attention,
-    "sdpa": sdpa_attention,
-}
+_MAX_INFERENCE_POS_EMB_CACHE_ENTRIES = 256
 
 
 def _apply_rope_input_validation(x, freqs_cis):
@@ -168,7 +81,7 @@ def _apply_rope_input_validation(x, freqs_cis):
 
 
 def apply_rope(
-    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor, x_shape=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """
     Args: (The leading dimensions of all inputs should be the same)
@@ -191,7 +104,6 @@ def apply_rope(
 
 
 class Learnable2DInterpPosEmb(nn.Module):
-
     def __init__(
         self, height: int, width: int, dim: int, interpolation_mode: str = "bicubic"
     ) -> None:
@@ -200,6 +112,13 @@ class Learnable2DInterpPosEmb(nn.Module):
         self.width = width
         self.interpolation_mode = interpolation_mode
         self.weight = nn.Parameter(torch.empty(height, width, dim))
+        # In serving, MoonViT weights are immutable and image grids commonly
+        # repeat. Avoid launching bicubic interpolation for every request.
+        # Keep this as a plain cache (rather than a buffer) so it is neither
+        # serialized nor used during training.
+        self._interpolated_pos_emb_cache: dict[
+            tuple[tuple[int, int], torch.dtype, torch.device], torch.Tensor
+        ] = {}
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -208,25 +127,38 @@ class Learnable2DInterpPosEmb(nn.Module):
     def forward(self, x: torch.Tensor, grid_hws: torch.Tensor) -> torch.Tensor:
         pos_embs = []
         for shape in grid_hws.tolist():
+            shape = tuple(shape)
             if shape == self.weight.shape[:-1]:
                 pos_embs.append(self.weight.flatten(end_dim=1))
             else:
-                pos_embs.append(
-                    F.interpolate(
-                        self.weight.permute((2, 0, 1)).unsqueeze(0),
-                        size=shape,
-                        mode=self.interpolation_mode,
+                cache_key = (shape, self.weight.dtype, self.weight.device)
+                pos_emb = self._interpolated_pos_emb_cache.get(cache_key)
+                if pos_emb is None:
+                    pos_emb = (
+                        F.interpolate(
+                            self.weight.permute((2, 0, 1)).unsqueeze(0),
+                            size=shape,
+                            mode=self.interpolation_mode,
+                        )
+                        .squeeze(0)
+                        .permute((1, 2, 0))
+                        .flatten(end_dim=1)
                     )
-                    .squeeze(0)
-                    .permute((1, 2, 0))
-                    .flatten(end_dim=1)
-                )
+                    if not self.training:
+                        if (
+                            len(self._interpolated_pos_emb_cache)
+                            >= _MAX_INFERENCE_POS_EMB_CACHE_ENTRIES
+                        ):
+                            self._interpolated_pos_emb_cache.pop(
+                                next(iter(self._interpolated_pos_emb_cache))
+                            )
+                        self._interpolated_pos_emb_cache[cache_key] = pos_emb
+                pos_embs.append(pos_emb)
         out = x + torch.cat(pos_embs)
         return out
 
 
 class MoonVisionPatchEmbed(nn.Module):
-
     def __init__(
         self,
         out_dim: int,
@@ -236,17 +168,17 @@ class MoonVisionPatchEmbed(nn.Module):
         pos_emb_width: int = 14,
     ):
         super().__init__()
-        assert isinstance(
-            patch_size, (int, Sequence)
-        ), f"Invalid patch_size type: {type(patch_size)}"
+        assert isinstance(patch_size, (int, Sequence)), (
+            f"Invalid patch_size type: {type(patch_size)}"
+        )
         if isinstance(patch_size, int):
             patch_size = (patch_size, patch_size)
-        assert (
-            len(patch_size) == 2
-        ), f"Expected patch_size to be a tuple of 2, got {patch_size}"
+        assert len(patch_size) == 2, (
+            f"Expected patch_size to be a tuple of 2, got {patch_size}"
+        )
         self.patch_size = patch_size
 
-        self.proj = nn.Conv2d(
+        self.proj = Conv2dLayer(
             in_dim, out_dim, kernel_size=patch_size, stride=patch_size
         )
 
@@ -292,7 +224,7 @@ class Rope2DPosEmb(nn.Module):
     """
 
     def __init__(
-        self, dim: int, max_height: int, max_width: int, theta_base=10000, device="cuda"
+        self, dim: int, max_height: int, max_width: int, theta_base=10000, device=None
     ):
         super().__init__()
         self.dim = dim
@@ -300,7 +232,7 @@ class Rope2DPosEmb(nn.Module):
         self.max_height = max_height
         self.max_width = max_width
         self.theta_base = theta_base
-        self.device = device
+        self.device = device if device is not None else get_device()
 
     def extra_repr(self):
         return f"dim={self.dim}, max_height={self.max_height}, max_width={self.max_width}, theta_base={self.theta_base}"
@@ -393,84 +325,135 @@ class MLP2(nn.Module):
         bias: whether to use bias in linear layer.
     """
 
-    def __init__(self, dims: list[int], activation, bias=True):
+    def __init__(
+        self,
+        dims: list[int],
+        activation,
+        bias: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+        use_data_parallel: bool = False,
+        use_tensor_parallel: bool = False,
+    ):
         super().__init__()
         assert len(dims) == 3
-        self.fc0 = nn.Linear(dims[0], dims[1], bias=bias)
-        self.fc1 = nn.Linear(dims[1], dims[2], bias=bias)
+
+        self.quant_config = quant_config
+        use_tensor_parallel = use_tensor_parallel and not use_data_parallel
+        tp_size = get_parallel().attn_tp_size if use_tensor_parallel else 1
+        if isinstance(self.quant_config, ModelSlimConfig):
+            self.fc0 = ReplicatedLinear(
+                dims[0],
+                dims[1],
+                bias=bias,
+                quant_config=quant_config,
+                prefix=add_prefix("fc0", prefix),
+            )
+            self.fc1 = ReplicatedLinear(
+                dims[1],
+                dims[2],
+                bias=bias,
+                quant_config=quant_config,
+                prefix=add_prefix("fc1", prefix),
+            )
+        elif use_tensor_parallel:
+            # TODO: these layers shard over attention TP but reduce over the full
+            # TP group; reduce over the attention-TP group so attention DP and
+            # attention CP narrower than TP can run them.
+            reject_attn_tp_shard_with_tp_reduce(
+                type(self).__name__,
+                shard_tp_size=tp_size,
+                reduces_over_attn_tp=False,
+                multimodal_encoder=True,
+                hint=", or --mm-enable-dp-encoder where the model supports it",
+            )
+            self.fc0 = ColumnParallelLinear(
+                dims[0],
+                dims[1],
+                bias=bias,
+                prefix=add_prefix("fc0", prefix),
+                parallel_group="attn_tp",
+            )
+            self.fc1 = RowParallelLinear(
+                dims[1],
+                dims[2],
+                bias=bias,
+                prefix=add_prefix("fc1", prefix),
+                parallel_group="attn_tp",
+            )
+        else:
+            self.fc0 = nn.Linear(dims[0], dims[1], bias=bias)
+            self.fc1 = nn.Linear(dims[1], dims[2], bias=bias)
+            for m in [self.fc0, self.fc1]:
+                nn.init.trunc_normal_(m.weight, std=math.sqrt(2 / m.in_features))
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
         self.activation = activation
-        for m in [self.fc0, self.fc1]:
-            nn.init.trunc_normal_(m.weight, std=math.sqrt(2 / m.in_features))
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.fc0(x)
-        x = self.activation(x)
-        return self.fc1(x)
+        if isinstance(self.quant_config, ModelSlimConfig):
+            x = x.flatten(0, 1)
+            x, _ = self.fc0(x)
+            x = self.activation(x)
+            x, _ = self.fc1(x)
+        elif isinstance(self.fc0, ColumnParallelLinear):
+            x, _ = self.fc0(x)
+            x = self.activation(x)
+            x, _ = self.fc1(x)
+        else:
+            x = self.fc0(x)
+            x = self.activation(x)
+            x = self.fc1(x)
+        return x
 
 
 class MoonVitEncoderLayer(nn.Module):
-
     def __init__(
         self,
         num_heads: int,
         hidden_dim: int,
         mlp_dim: int,
         *,
-        attn_implementation: str = "flash_attention_2",  # use fa2 in sglang by default
         activation=F.gelu,
         attn_bias: bool = False,
+        prefix: str = "",
+        use_data_parallel: bool = False,
     ):
         super().__init__()
         self.num_heads = num_heads
         self.hidden_dim = hidden_dim
         self.hidden_size_per_attention_head = self.hidden_dim // self.num_heads
-        self.attn_implementation = attn_implementation
 
+        use_tensor_parallel = not use_data_parallel
         self.norm0 = nn.LayerNorm(hidden_dim)
         self.norm1 = nn.LayerNorm(hidden_dim)
-        self.mlp = MLP2([hidden_dim, mlp_dim, hidden_dim], activation)
-        self.wqkv = nn.Linear(hidden_dim, hidden_dim * 3, bias=attn_bias)
-        self.wo = nn.Linear(hidden_dim, hidden_dim, bias=attn_bias)
-
-    def attention_qkvpacked(
-        self,
-        x: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        rope_freqs_cis: Optional[torch.Tensor] = None,
-    ):
-        """
-        Args:
-            x (torch.Tensor): (batch_size, seqlen, hidden_dim)
-            cu_seqlens (torch.Tensor):
-        """
-        xqkv = self.wqkv(x)
-
-        qkv_shape = xqkv.size()[:-1] + (
-            3,
-            self.num_heads,
-            self.hidden_size_per_attention_head,
+        self.mlp = MLP2(
+            [hidden_dim, mlp_dim, hidden_dim],
+            activation,
+            prefix=add_prefix("mlp", prefix),
+            use_data_parallel=use_data_parallel,
+            use_tensor_parallel=use_tensor_parallel,
         )
-        # xqkv: (batch_size, seqlen, 3, nheads, headdim)
-        xqkv = xqkv.view(*qkv_shape)
-        xq, xk, xv = torch.unbind(xqkv, dim=-3)
-
-        xq, xk = apply_rope(xq, xk, rope_freqs_cis)
-
-        attn_func = VL_VISION_ATTENTION_FUNCTIONS[self.attn_implementation]
-        attn_out = attn_func(
-            xq, xk, xv, q_cu_seqlens=cu_seqlens, k_cu_seqlens=cu_seqlens
+        self.attn = VisionAttention(
+            embed_dim=hidden_dim,
+            num_heads=num_heads,
+            projection_size=hidden_dim,
+            use_qkv_parallel=True,
+            qkv_bias=attn_bias,
+            proj_bias=attn_bias,
+            flatten_batch=True,
+            prefix=add_prefix("attn", prefix),
+            use_data_parallel=use_data_parallel,
+            customized_position_embedding_applier=apply_rope,
         )
-
-        attn_out = self.wo(attn_out)
-        return attn_out
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         cu_seqlens: torch.Tensor,
         rope_freqs_cis: Union[torch.Tensor, None] = None,
+        max_seqlen: Optional[int] = None,
+        forward_metadata: Optional[VisionAttentionMetadata] = None,
     ) -> torch.Tensor:
         """
         Args:
@@ -481,10 +464,14 @@ class MoonVitEncoderLayer(nn.Module):
         """
         residual = hidden_states
         hidden_states = self.norm0(hidden_states)
-        attn_out = self.attention_qkvpacked(
-            hidden_states, cu_seqlens, rope_freqs_cis=rope_freqs_cis
+        attn_out = self.attn(
+            hidden_states,
+            cu_seqlens=cu_seqlens,
+            position_embeddings=rope_freqs_cis,
+            forward_metadata=forward_metadata,
+            max_seqlen=max_seqlen,
         )
-        hidden_states = residual + attn_out
+        hidden_states = residual + attn_out.view(residual.shape)
 
         residual = hidden_states
         hidden_states = self.mlp(self.norm1(hidden_states))
@@ -493,12 +480,13 @@ class MoonVitEncoderLayer(nn.Module):
 
 
 class MoonVitEncoder(nn.Module):
-
     def __init__(
         self,
         hidden_dim: int,
         num_layers: int,
         block_cfg: dict,
+        prefix: str = "",
+        use_data_parallel: bool = False,
     ) -> None:
         super().__init__()
 
@@ -506,12 +494,22 @@ class MoonVitEncoder(nn.Module):
             block_cfg["hidden_dim"] // block_cfg["num_heads"], 512, 512
         )
         self.blocks = nn.ModuleList(
-            [MoonVitEncoderLayer(**block_cfg) for _ in range(num_layers)]
+            [
+                MoonVitEncoderLayer(
+                    prefix=add_prefix(f"blocks.{layer_idx}", prefix),
+                    use_data_parallel=use_data_parallel,
+                    **block_cfg,
+                )
+                for layer_idx in range(num_layers)
+            ]
         )
         self.final_layernorm = nn.LayerNorm(hidden_dim)
 
     def forward(
-        self, hidden_states: torch.Tensor, grid_hw: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        grid_hw: torch.Tensor,
+        max_seqlen: Optional[int] = None,
     ) -> torch.Tensor:
         rope_freqs_cis = self.rope_2d.get_freqs_cis_by_seqlens(grid_hws=grid_hw)
 
@@ -522,10 +520,20 @@ class MoonVitEncoder(nn.Module):
             )
         )
         cu_seqlens = lengths.cumsum(dim=0, dtype=torch.int32)
+        if max_seqlen is None:
+            max_seqlen = (grid_hw[:, 0] * grid_hw[:, 1]).max().item()
+
+        forward_metadata = prepare_vision_attention_metadata(
+            cu_seqlens, device=hidden_states.device
+        )
 
         for _, block in enumerate(self.blocks):
             hidden_states = block(
-                hidden_states, cu_seqlens, rope_freqs_cis=rope_freqs_cis
+                hidden_states,
+                cu_seqlens,
+                rope_freqs_cis=rope_freqs_cis,
+                max_seqlen=max_seqlen,
+                forward_metadata=forward_metadata,
             )
 
         hidden_states = self.final_layernorm(hidden_states)
@@ -562,8 +570,44 @@ def patch_merger(
     return outputs
 
 
-class MoonVitVLProjector(nn.Module):
+def tpool_patch_merger(
+    x: torch.Tensor,
+    grid_thws: torch.Tensor,
+    merge_kernel_size: tuple[int, int] = (2, 2),
+    *,
+    grid_thw_list: Optional[Sequence[Sequence[int]]] = None,
+) -> List[torch.Tensor]:
+    """Group spatial patches and average only across real video frames.
 
+    ``grid_thw_list`` lets a graph-aware tower pass the host grid it already
+    has instead of paying a device sync for ``grid_thws.tolist()``.
+    """
+
+    d_model = x.size(-1)
+    outputs = []
+    pre_sum = 0
+    shapes = grid_thws.tolist() if grid_thw_list is None else grid_thw_list
+    for t, h, w in shapes:
+        t, h, w = int(t), int(h), int(w)
+        seq = x[pre_sum : pre_sum + t * h * w]
+        kernel_height, kernel_width = merge_kernel_size
+        new_height, new_width = h // kernel_height, w // kernel_width
+        reshaped_seq = seq.view(
+            t, new_height, kernel_height, new_width, kernel_width, d_model
+        )
+        reshaped_seq = reshaped_seq.permute(0, 1, 3, 2, 4, 5).contiguous()
+        reshaped_seq = reshaped_seq.squeeze(0) if t == 1 else reshaped_seq.mean(dim=0)
+        outputs.append(
+            reshaped_seq.view(
+                new_height * new_width, kernel_height * kernel_width, d_model
+            )
+        )
+        pre_sum += t * h * w
+
+    return outputs
+
+
+class MoonVitVLProjector(nn.Module):
     def __init__(
         self,
         in_channels: int,
@@ -595,7 +639,14 @@ class MoonVitPretrainedModel(PreTrainedModel):
     _supports_flash_attn_2 = True
     _supports_sdpa = True
 
-    def __init__(self, config: MoonViTConfig, *inputs, **kwargs):
+    def __init__(
+        self,
+        config: MoonViTConfig,
+        prefix: str = "",
+        use_data_parallel: bool = False,
+        *inputs,
+        **kwargs,
+    ):
         from transformers.activations import GELUTanh
 
         super().__init__(config, *inputs, **kwargs)
@@ -618,12 +669,16 @@ class MoonVitPretrainedModel(PreTrainedModel):
                 "mlp_dim": config.intermediate_size,
                 "activation": GELUTanh(),
                 "attn_bias": True,
-                "attn_implementation": config._attn_implementation,
             },
+            prefix=add_prefix("encoder", prefix),
+            use_data_parallel=use_data_parallel,
         )
 
     def forward(
-        self, pixel_values: torch.Tensor, grid_hw: torch.Tensor
+        self,
+        pixel_values: torch.Tensor,
+        grid_hw: torch.Tensor,
+        max_seqlen: Optional[int] = None,
     ) -> torch.Tensor:
         """
         Args:
@@ -634,7 +689,7 @@ class MoonVitPretrainedModel(PreTrainedModel):
             torch.Tensor: The output tokens.
         """
         hidden_states = self.patch_embed(pixel_values, grid_hw)
-        hidden_states = self.encoder(hidden_states, grid_hw)
+        hidden_states = self.encoder(hidden_states, grid_hw, max_seqlen=max_seqlen)
         hidden_states = patch_merger(
             hidden_states, grid_hw, merge_kernel_size=self.merge_kernel_size
         )

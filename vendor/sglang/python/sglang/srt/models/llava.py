@@ -13,8 +13,11 @@
 # ==============================================================================
 """Inference-only LLaVa model compatible with HuggingFace weights."""
 
+from __future__ import annotations
+
 import math
 import re
+from array import array
 from functools import lru_cache
 from typing import Dict, Iterable, List, Optional, Tuple, Type, Union
 
@@ -44,7 +47,6 @@ from sglang.srt.managers.schedule_batch import (
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.llama import LlamaForCausalLM
-from sglang.srt.models.mistral import MistralForCausalLM
 from sglang.srt.models.qwen2 import Qwen2ForCausalLM
 from sglang.srt.multimodal.mm_utils import (
     get_anyres_image_grid_shape,
@@ -53,9 +55,29 @@ from sglang.srt.multimodal.mm_utils import (
 )
 from sglang.srt.utils import add_prefix, flatten_nested_list, logger
 
+_KNOWN_BROKEN_AUTOMODEL_CONFIG = "VoxtralRealtimeTextConfig"
+_KNOWN_BROKEN_AUTOMODEL_ERROR = "Could not find VoxtralRealtimeTextModel"
+
 
 class LlavaBaseForCausalLM(nn.Module):
-    def pad_input_ids(self, input_ids: List[int], image_inputs: MultimodalInputs):
+    @staticmethod
+    def _infer_image_aspect_ratio(mm_items):
+        """Determine image_aspect_ratio from processor metadata or item count."""
+        # Check if processor stored the aspect_ratio it used
+        for item in mm_items:
+            ar = item.model_specific_data.get("image_aspect_ratio")
+            if ar is not None:
+                return ar
+        # Fallback: multi-image or video → pad, single image → anyres
+        image_items = [item for item in mm_items if item.is_image()]
+        has_video = any(item.is_video() for item in mm_items)
+        if len(image_items) > 1 or has_video:
+            return "pad"
+        return "anyres"
+
+    def pad_input_ids(
+        self, input_ids: array[int], image_inputs: MultimodalInputs
+    ) -> array[int]:
         image_sizes = flatten_nested_list(
             [item.image_sizes for item in image_inputs.mm_items]
         )
@@ -63,13 +85,8 @@ class LlavaBaseForCausalLM(nn.Module):
         pad_values = [item.pad_value for item in image_inputs.mm_items]
 
         # hardcode for spatial_unpad + anyres
-        if any(
-            item.modality == Modality.MULTI_IMAGES or item.modality == Modality.VIDEO
-            for item in image_inputs.mm_items
-        ):
-            image_aspect_ratio = "pad"
-        else:
-            image_aspect_ratio = "anyres"
+        # Use per-item aspect_ratio from processor if available, else infer
+        image_aspect_ratio = self._infer_image_aspect_ratio(image_inputs.mm_items)
         offset_list = []
         image_inputs.image_pad_len = []
         for image_idx, image_s in enumerate(image_sizes):
@@ -112,9 +129,10 @@ class LlavaBaseForCausalLM(nn.Module):
             except ValueError:
                 offset = 0
             # old_len + pad_len - 1, because we need to remove image_token_id
+            pad_token = pad_values[image_idx % len(pad_values)]
             input_ids = (
                 input_ids[:offset]
-                + [pad_values[image_idx % len(pad_values)]] * new_image_feature_len
+                + array("q", [pad_token]) * new_image_feature_len
                 + input_ids[offset + 1 :]
             )
             offset_list.append(offset)
@@ -165,13 +183,9 @@ class LlavaBaseForCausalLM(nn.Module):
             # Embed text inputs
             input_embeds = self.language_model.model.embed_tokens(input_ids)
 
-            # Got List[List[str]] extend it to List[str]
-            # The length of the List should be equal to batch size
-            modalities_list = []
+            # Compute max image offset per request to determine need_vision
             max_image_offset = []
             for im in image_inputs:
-                if im:
-                    modalities_list.extend([item.modality for item in im.mm_items])
                 if im and im.image_offsets:
                     max_image_offset.append(
                         np.max(np.array(im.image_offsets) + np.array(im.image_pad_len))
@@ -184,6 +198,18 @@ class LlavaBaseForCausalLM(nn.Module):
 
             if need_vision.any():
                 bs = forward_batch.batch_size
+
+                # Build per-image lists filtered by need_vision
+                modalities_list = []
+                aspect_ratios = []  # per-image aspect ratio
+                for i in range(bs):
+                    if need_vision[i] and image_inputs[i]:
+                        items = image_inputs[i].mm_items
+                        ar = self._infer_image_aspect_ratio(items)
+                        for item in items:
+                            modalities_list.append(item.modality)
+                            aspect_ratios.append(ar)
+
                 pixel_values = flatten_nested_list(
                     [
                         [item.feature for item in image_inputs[i].mm_items]
@@ -191,12 +217,12 @@ class LlavaBaseForCausalLM(nn.Module):
                         if need_vision[i]
                     ]
                 )
+                # Per-image sizes (each entry is [(w,h)] for one image)
                 image_sizes = [
-                    flatten_nested_list(
-                        [item.image_sizes for item in image_inputs[i].mm_items]
-                    )
+                    item.image_sizes
                     for i in range(bs)
                     if need_vision[i]
+                    for item in image_inputs[i].mm_items
                 ]
 
                 ########## Encode Image ########
@@ -225,18 +251,7 @@ class LlavaBaseForCausalLM(nn.Module):
                     new_image_features = []
                     height = width = self.num_patches_per_side
                     for image_idx, image_feature in enumerate(image_features):
-                        if modalities_list[image_idx] == Modality.IMAGE:
-                            image_aspect_ratio = (
-                                self.config.image_aspect_ratio
-                            )  # single image
-                        elif (
-                            modalities_list[image_idx] == Modality.MULTI_IMAGES
-                            or modalities_list[image_idx] == Modality.VIDEO
-                        ):
-                            image_aspect_ratio = "pad"  # multi image
-                        # image_aspect_ratio = (
-                        #     "anyres" if len(image_sizes[image_idx]) == 1 else "pad"
-                        # )
+                        image_aspect_ratio = aspect_ratios[image_idx]
                         if (
                             image_feature.shape[0] > 1
                             and "anyres" in image_aspect_ratio
@@ -385,6 +400,7 @@ class LlavaBaseForCausalLM(nn.Module):
                 extend_start_loc_cpu = forward_batch.extend_start_loc.cpu().numpy()
                 extend_seq_lens = forward_batch.extend_seq_lens.cpu().numpy()
                 prefix_lens_cpu = forward_batch.extend_prefix_lens_cpu
+                # Fill in the image features using flat indexing (one pt per image)
                 pt = 0
                 for i in range(bs):
                     if not need_vision[i]:
@@ -393,20 +409,25 @@ class LlavaBaseForCausalLM(nn.Module):
                     start_idx = extend_start_loc_cpu[i]
                     seq_len = extend_seq_lens[i]
                     prefix_len = prefix_lens_cpu[i]
+                    n_images = len(image_inputs[i].image_offsets)
 
-                    # Multiple images
-                    for image_idx, image_offset in enumerate(
-                        image_inputs[i].image_offsets
-                    ):
+                    for j in range(n_images):
+                        image_offset = image_inputs[i].image_offsets[j]
+
                         if (
-                            image_offset + image_inputs[i].image_pad_len[image_idx]
+                            image_offset + image_inputs[i].image_pad_len[j]
                             <= prefix_len
                         ):
+                            pt += 1
                             continue
                         if image_offset >= prefix_len + seq_len:
+                            pt += n_images - j
                             break
 
-                        tmp_image_feature = image_features[pt][image_idx]
+                        tmp_image_feature = image_features[pt]
+                        # Squeeze batch dim from per-image features [1, feat, hidden]
+                        if tmp_image_feature.ndim == 3:
+                            tmp_image_feature = tmp_image_feature[0]
                         pad_len = tmp_image_feature.shape[0]
 
                         input_offset = image_offset - prefix_len
@@ -429,7 +450,7 @@ class LlavaBaseForCausalLM(nn.Module):
                             print(
                                 f"{start_idx=}, {image_offset=}, {prefix_len=}, {pad_len=}"
                             )
-                    pt += 1
+                        pt += 1
 
             return self.language_model(
                 input_ids, positions, forward_batch, input_embeds=input_embeds
@@ -437,19 +458,29 @@ class LlavaBaseForCausalLM(nn.Module):
         elif forward_batch.forward_mode.is_decode():
             return self.language_model(input_ids, positions, forward_batch)
 
+    def get_embed_and_head(self):
+        # Spec-decode plumbing: expose the LM's embed/head so the EAGLE draft
+        # can share them with the target. self.language_model is a Llama-family
+        # CausalLM that defines this method.
+        return self.language_model.get_embed_and_head()
+
+    def set_embed_and_head(self, embed, head):
+        self.language_model.set_embed_and_head(embed, head)
+
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
         # Load clip vision model by cfg['mm_vision_tower']:
         # huggingface_name or path_of_clip_relative_to_llava_model_dir
         # We put the initialization here instead of __init__ to allow it being reused by other subclasses.
         vision_path = self.config.mm_vision_tower
+        device = next(self.language_model.parameters()).device
         if "clip" in vision_path:
             self.vision_tower = CLIPVisionModel.from_pretrained(
                 vision_path, torch_dtype=torch.float16
-            ).cuda()
+            ).to(device)
         elif "siglip" in vision_path:
             self.vision_tower = SiglipVisionModel.from_pretrained(
                 vision_path, torch_dtype=torch.float16
-            ).cuda()
+            ).to(device)
             # Siglip needs all feature tokens
             self.config.mm_vision_select_feature = "full"
         self.vision_tower.eval()
@@ -479,6 +510,9 @@ class LlavaBaseForCausalLM(nn.Module):
             "model.mm_projector.0": "multi_modal_projector.linear_1",
             "model.mm_projector.2": "multi_modal_projector.linear_2",
             "model.vision_tower.vision_tower": "vision_tower",
+            # transformers 5.6.0 flattened CLIPVisionModel/SiglipVisionModel,
+            # dropping the `vision_model` intermediate wrapper.
+            "vision_tower.vision_model.": "vision_tower.",
             # Update the vision tower weights if we find them in the checkpoint (it may be finetuned).
             "model.image_newline": "language_model.model.image_newline",
         }
@@ -569,6 +603,9 @@ class LlavaMistralForCausalLM(LlavaBaseForCausalLM):
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
     ) -> None:
+        # mistral.py subclasses LlavaForConditionalGeneration from this module
+        from sglang.srt.models.mistral import MistralForCausalLM
+
         super().__init__()
 
         self.config = config
@@ -615,7 +652,7 @@ class LlavaForConditionalGeneration(LlavaBaseForCausalLM):
     def dtype(self):
         return self.torch_dtype
 
-    def pad_input_ids(self, input_ids: List[int], image_inputs: MultimodalInputs):
+    def pad_input_ids(self, input_ids: array, image_inputs: MultimodalInputs) -> array:
         if hasattr(self.vision_tower, "pad_input_ids"):
             return self.vision_tower.pad_input_ids(input_ids, image_inputs)
         else:
@@ -657,7 +694,22 @@ class LlavaForConditionalGeneration(LlavaBaseForCausalLM):
     ) -> Dict[str, str]:
         mapping = {}
         for config_cls in auto_model_type._model_mapping.keys():
-            archs = auto_model_type._model_mapping.get(config_cls, None)
+            try:
+                archs = auto_model_type._model_mapping.get(config_cls, None)
+            except ValueError as exc:
+                if (
+                    auto_model_type is not AutoModel
+                    or config_cls.__name__ != _KNOWN_BROKEN_AUTOMODEL_CONFIG
+                    or _KNOWN_BROKEN_AUTOMODEL_ERROR not in str(exc)
+                ):
+                    raise
+                logger.warning(
+                    "Skipping broken %s mapping for config %s: %s",
+                    auto_model_type.__name__,
+                    config_cls.__name__,
+                    exc,
+                )
+                continue
             if archs is not None:
                 if isinstance(archs, tuple):
                     mapping[config_cls.__name__] = tuple(
@@ -754,16 +806,22 @@ class LlavaForConditionalGeneration(LlavaBaseForCausalLM):
         Returns:
             torch.Tensor: features from image inputs, concatenated
         """
+        # Requesting hidden states materialises one tensor per layer (~1.8 GiB per
+        # 1540px image); the plain forward returns the same tensor as the last entry.
+        last_layer_only = self.vision_feature_layer == -1
         features = []
         for item in items:
             # in each item, we assume pixel_values is always batched
             pixel_values, image_sizes = item.feature, item.image_sizes
-            image_outputs = self.vision_tower(
-                pixel_values, image_sizes, output_hidden_states=True
-            )
-            selected_image_feature = image_outputs.hidden_states[
-                self.vision_feature_layer
-            ]
+            if last_layer_only:
+                selected_image_feature = self.vision_tower(pixel_values, image_sizes)
+            else:
+                image_outputs = self.vision_tower(
+                    pixel_values, image_sizes, output_hidden_states=True
+                )
+                selected_image_feature = image_outputs.hidden_states[
+                    self.vision_feature_layer
+                ]
 
             if self.vision_feature_select_strategy in ["default", "patch"]:
                 selected_image_feature = selected_image_feature[:, 1:]

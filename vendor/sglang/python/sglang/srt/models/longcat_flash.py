@@ -37,21 +37,28 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from sglang.srt.configs import LongcatFlashConfig
-from sglang.srt.distributed import (
-    get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_reduce,
+from sglang.kernels.ops.gemm.bf16_fp32 import (
+    linear_bf16_fp32,
+    mark_hpc_bf16xfp32_gemm_enabled,
 )
+from sglang.kernels.ops.moe.ep_moe_kernels import zero_experts_compute_triton
+from sglang.kernels.ops.quantization.fp8_kernel import is_fp8_fnuz
+from sglang.srt.configs import LongcatFlashConfig
+from sglang.srt.environ import envs
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.eplb.expert_location import ModelConfigForExpertLocation
 from sglang.srt.layers import deep_gemm_wrapper
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.communicator import LayerCommunicator, LayerScatterModes
 from sglang.srt.layers.dp_attention import (
-    get_attention_tp_rank,
-    get_attention_tp_size,
     is_dp_attention_enabled,
 )
+from sglang.srt.layers.layer_boundary import (
+    append_stages,
+    declare_attn,
+    declare_ffn,
+    layer_stack,
+)
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     MergedColumnParallelLinear,
@@ -59,13 +66,14 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor
-from sglang.srt.layers.moe.ep_moe.kernels import zero_experts_compute_triton
 from sglang.srt.layers.moe.ep_moe.layer import DeepEPMoE, get_moe_impl_class
 from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 from sglang.srt.layers.moe.topk import StandardTopKOutput, TopK
-from sglang.srt.layers.moe.utils import filter_moe_weight_param_global_expert
+from sglang.srt.layers.moe.utils import (
+    filter_moe_weight_param_global_expert,
+)
+from sglang.srt.layers.n_gram_embedding import NgramEmbedding
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
-from sglang.srt.layers.quantization.fp8_kernel import is_fp8_fnuz
 from sglang.srt.layers.quantization.fp8_utils import (
     block_quant_dequant,
     block_quant_to_tensor_quant,
@@ -88,7 +96,11 @@ from sglang.srt.model_loader.utils import (
 )
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
-from sglang.srt.server_args import get_global_server_args
+from sglang.srt.runtime_context import (
+    get_exec,
+    get_parallel,
+    get_stream,
+)
 from sglang.srt.utils import (
     BumpAllocator,
     add_prefix,
@@ -112,17 +124,26 @@ _is_cpu = is_cpu()
 _device_sm = get_device_sm()
 
 if _is_cuda:
-    from sgl_kernel import awq_dequantize
+    from sglang.kernels.ops.quantization.awq_dequantize import awq_dequantize
 elif _is_cpu and _is_cpu_amx_available:
     pass
 elif _is_hip:
-    from sglang.srt.layers.quantization.awq_triton import (
+    from sglang.kernels.ops.quantization.awq_triton import (
         awq_dequantize_triton as awq_dequantize,
     )
 else:
     pass
 
 logger = logging.getLogger(__name__)
+
+# Minimum m (num_tokens) from which the JIT bf16xfp32 router GEMM beats
+# cublas, benchmarked per router shape (hidden_size, n_routed_experts) on H200.
+_LONGCAT_FLASH_ROUTER_HPC_GEMM_MIN_M = {
+    # LongCat-Flash-Chat-FP8: 6144 hidden size, 512 routed experts + 256 zero experts.
+    (6144, 768): 64,
+    # LongCat-Flash-Lite-FP8: 3072 hidden size, 256 routed experts + 128 zero experts.
+    (3072, 384): 128,
+}
 
 
 class LongcatFlashMLP(nn.Module):
@@ -153,8 +174,7 @@ class LongcatFlashMLP(nn.Module):
         )
         if hidden_act != "silu":
             raise ValueError(
-                f"Unsupported activation: {hidden_act}. "
-                "Only silu is supported for now."
+                f"Unsupported activation: {hidden_act}. Only silu is supported for now."
             )
         self.act_fn = SiluAndMul()
 
@@ -191,14 +211,32 @@ class LongcatFlashRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros((self.n_routed_experts), dtype=rounter_params_dtype)
         )
+        self.hpc_kernel_min_m = _LONGCAT_FLASH_ROUTER_HPC_GEMM_MIN_M.get(
+            (config.hidden_size, self.n_routed_experts)
+        )
+        if (
+            self.hpc_kernel_min_m is not None
+            and self.rounter_params_dtype == torch.float32
+            and self.classifier.bias is None
+        ):
+            mark_hpc_bf16xfp32_gemm_enabled()
 
     def forward(self, hidden_states):
+        if (
+            self.hpc_kernel_min_m is not None
+            and self.rounter_params_dtype == torch.float32
+            and self.classifier.bias is None
+        ):
+            return linear_bf16_fp32(
+                hidden_states,
+                self.classifier.weight,
+                hpc_kernel_min_m=self.hpc_kernel_min_m,
+            )
         logits, _ = self.classifier(hidden_states.to(self.rounter_params_dtype))
         return logits
 
 
 class LongcatFlashMoE(nn.Module):
-
     def __init__(
         self,
         config: LongcatFlashConfig,
@@ -214,13 +252,22 @@ class LongcatFlashMoE(nn.Module):
         self.top_k = config.moe_topk
         self.zero_expert_num = config.zero_expert_num
         self.zero_expert_type = config.zero_expert_type
+        if (
+            self.zero_expert_num > 0
+            and get_exec().moe.ep_dispatch_algorithm is not None
+        ):
+            raise ValueError(
+                "LongCat zero experts do not support expert placement remapping. "
+                "Disable EPLB, redundant experts, custom expert placement, and "
+                "--ep-dispatch-algorithm for this model."
+            )
 
         if config.rounter_params_dtype == "float32":
             self.rounter_params_dtype = torch.float32
         else:
             self.rounter_params_dtype = torch.bfloat16
 
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_size = get_parallel().tp_size
 
         if self.tp_size > config.n_routed_experts:
             raise ValueError(
@@ -259,6 +306,7 @@ class LongcatFlashMoE(nn.Module):
             quant_config=quant_config,
             prefix=add_prefix("experts", prefix),
         )
+        self.topk.bind_runner_backend(self.experts.runner_backend)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens, hidden_dim = hidden_states.shape
@@ -286,9 +334,6 @@ class LongcatFlashMoE(nn.Module):
         if self.zero_expert_type is not None and hidden_states.shape[0] > 0:
             final_hidden_states += zero_expert_result.to(final_hidden_states.device)
 
-        if self.tp_size > 1:
-            final_hidden_states = tensor_model_parallel_all_reduce(final_hidden_states)
-
         return final_hidden_states.view(num_tokens, hidden_dim)
 
     def get_moe_weights(self):
@@ -303,7 +348,6 @@ class LongcatFlashMoE(nn.Module):
 
 
 class LongcatFlashDecoderLayer(nn.Module):
-
     def __init__(
         self,
         config: LongcatFlashConfig,
@@ -328,8 +372,12 @@ class LongcatFlashDecoderLayer(nn.Module):
                     v_head_dim=config.v_head_dim,
                     q_lora_rank=config.q_lora_rank,
                     kv_lora_rank=config.kv_lora_rank,
-                    rope_theta=config.rope_theta,
-                    rope_scaling=None,
+                    rope_theta=(
+                        config.rope_parameters["rope_theta"]
+                        if "rope_theta" in getattr(config, "rope_parameters", {})
+                        else config.rope_theta
+                    ),
+                    rope_scaling=getattr(config, "rope_scaling", None),
                     max_position_embeddings=config.max_position_embeddings,
                     quant_config=(
                         None
@@ -363,6 +411,7 @@ class LongcatFlashDecoderLayer(nn.Module):
                         if "mlps" in getattr(config, "disable_quant_module", [])
                         else quant_config
                     ),
+                    reduce_results=False,
                     prefix=add_prefix(f"mlps.{i}", prefix),
                 )
                 for i in range(2)
@@ -376,43 +425,34 @@ class LongcatFlashDecoderLayer(nn.Module):
             prefix=add_prefix("mlp", prefix),
         )
 
-        self.attn_tp_size = get_attention_tp_size()
-        self.attn_tp_rank = get_attention_tp_rank()
-
-        self.mlp_layer_scatter_modes = [
-            LayerScatterModes.init_new(
-                layer_id=self.layer_id * 2 + i,
-                num_layers=config.num_hidden_layers,
-                is_layer_sparse=False,
-                is_previous_layer_sparse=False,
-                # TODO: Check if the following is correct.
-                is_next_layer_sparse=False,
-            )
-            for i in range(2)
-        ]
-        self.mlp_layer_communicator = [
-            LayerCommunicator(
-                layer_scatter_modes=self.mlp_layer_scatter_modes[i],
-                input_layernorm=self.input_layernorm[i],
-                post_attention_layernorm=self.post_attention_layernorm[i],
-                qkv_latent_func=self.self_attn[i].prepare_qkv_latent,
-            )
-            for i in range(2)
-        ]
-
-        self.moe_layer_scatter_modes = LayerScatterModes.init_new(
-            layer_id=self.layer_id,
-            num_layers=config.num_hidden_layers,
-            is_layer_sparse=True,
-            is_previous_layer_sparse=True,
-            # TODO: Check if the following is correct.
-            is_next_layer_sparse=True,
+        self.attn_boundary, self.moe_boundary = append_stages(
+            (
+                declare_attn(),
+                self.input_layernorm[0],
+                {"qkv_latent_func": self.self_attn[0].prepare_qkv_latent},
+            ),
+            (
+                declare_ffn(sparse=True, next_layer_sparse=True),
+                self.post_attention_layernorm[0],
+            ),
         )
-        self.moe_layer_communicator = LayerCommunicator(
-            layer_scatter_modes=self.moe_layer_scatter_modes,
-            input_layernorm=self.input_layernorm[0],
-            post_attention_layernorm=self.post_attention_layernorm[0],
-            qkv_latent_func=self.self_attn[0].prepare_qkv_latent,
+        self.first_ffn_boundary, self.second_attn_boundary, self.second_ffn_boundary = (
+            append_stages(
+                (
+                    declare_ffn(),
+                    self.post_attention_layernorm[0],
+                ),
+                (
+                    declare_attn(),
+                    self.input_layernorm[1],
+                    {"qkv_latent_func": self.self_attn[1].prepare_qkv_latent},
+                ),
+                (
+                    declare_ffn(),
+                    self.post_attention_layernorm[1],
+                ),
+                prepared_from=self.moe_boundary.declaration,
+            )
         )
 
     def forward(
@@ -420,72 +460,84 @@ class LongcatFlashDecoderLayer(nn.Module):
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
-        residual: Optional[torch.Tensor],
         zero_allocator: BumpAllocator,
+        prev_topk_indices: Optional[torch.Tensor],
     ) -> torch.Tensor:
         # first_attn
-        hidden_states, residual = self.moe_layer_communicator.prepare_attn(
-            hidden_states, residual, forward_batch
-        )
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
         if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn[0](
+            attn_out = self.self_attn[0](
                 positions=positions,
                 hidden_states=hidden_states,
                 forward_batch=forward_batch,
                 zero_allocator=zero_allocator,
+                prev_topk_indices=prev_topk_indices,
             )
+            if isinstance(attn_out, tuple):
+                hidden_states, prev_topk_indices = attn_out
+            else:
+                hidden_states = attn_out
 
         # moe
-        hidden_states, residual = self.moe_layer_communicator.prepare_mlp(
-            hidden_states, residual, forward_batch
-        )
-        moe_hidden_states = hidden_states.clone()
-        moe_residual = residual.clone()
-        moe_hidden_states = self.mlp(moe_hidden_states)
-        moe_hidden_states, moe_residual = self.moe_layer_communicator.postprocess_layer(
-            moe_hidden_states, moe_residual, forward_batch
+        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
+        hidden_states = self.moe_boundary.prepare(hidden_states, forward_batch)
+        moe_hidden_states = self.moe_boundary.branch_output(
+            self.mlp(hidden_states.clone()), forward_batch
         )
 
-        hidden_states, residual = self.forward_mlp(
-            hidden_states, positions, residual, forward_batch, zero_allocator
+        hidden_states, prev_topk_indices = self.forward_mlp(
+            hidden_states,
+            positions,
+            forward_batch,
+            zero_allocator,
+            prev_topk_indices,
         )
 
-        hidden_states = moe_hidden_states + hidden_states
-        return hidden_states, residual
+        hidden_states = self.moe_boundary.merge_branch(
+            moe_hidden_states,
+            hidden_states,
+            self.second_ffn_boundary,
+            forward_batch,
+        )
+        return hidden_states, prev_topk_indices
 
     def forward_mlp(
-        self, hidden_states, positions, residual, forward_batch, zero_allocator
+        self,
+        hidden_states,
+        positions,
+        forward_batch,
+        zero_allocator,
+        prev_topk_indices,
     ):
-        # first_mlp
-        hidden_states = self.mlps[0](hidden_states)
-        # TP all_reduce
-        hidden_states = tensor_model_parallel_all_reduce(hidden_states)
-
-        # second_attn
-        hidden_states, residual = self.mlp_layer_communicator[1].prepare_attn(
-            hidden_states, residual, forward_batch
+        # first_mlp, on the input the MoE's boundary read
+        hidden_states = self.first_ffn_boundary.branch_input(
+            self.moe_boundary, hidden_states, forward_batch
         )
+        hidden_states = self.mlps[0](hidden_states)
+        hidden_states = self.first_ffn_boundary.finish(hidden_states, forward_batch)
+
+        # second_attn_boundary
+        hidden_states = self.second_attn_boundary.prepare(hidden_states, forward_batch)
         if hidden_states.shape[0] != 0:
-            hidden_states = self.self_attn[1](
+            attn_out = self.self_attn[1](
                 positions=positions,
                 hidden_states=hidden_states,
                 forward_batch=forward_batch,
                 zero_allocator=zero_allocator,
+                prev_topk_indices=prev_topk_indices,
             )
+            if isinstance(attn_out, tuple):
+                hidden_states, prev_topk_indices = attn_out
+            else:
+                hidden_states = attn_out
 
         # second_mlp
-        hidden_states, residual = self.mlp_layer_communicator[1].prepare_mlp(
-            hidden_states, residual, forward_batch
-        )
+        hidden_states = self.second_attn_boundary.finish(hidden_states, forward_batch)
+        hidden_states = self.second_ffn_boundary.prepare(hidden_states, forward_batch)
         hidden_states = self.mlps[1](hidden_states)
-        # TP all_reduce
-        hidden_states = tensor_model_parallel_all_reduce(hidden_states)
+        hidden_states = self.second_ffn_boundary.finish(hidden_states, forward_batch)
 
-        hidden_states, residual = self.mlp_layer_communicator[1].postprocess_layer(
-            hidden_states, residual, forward_batch
-        )
-
-        return hidden_states, residual
+        return hidden_states, prev_topk_indices
 
 
 class LongcatFlashModel(nn.Module):
@@ -500,25 +552,38 @@ class LongcatFlashModel(nn.Module):
         super().__init__()
         self.vocab_size = config.vocab_size
 
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size,
-            config.hidden_size,
-            use_attn_tp_group=is_dp_attention_enabled(),
-        )
+        if config.use_ngram_embedding:
+            self.use_ngram_embedding = True
+            self.embed_tokens = NgramEmbedding(
+                num_embeddings=config.vocab_size,
+                embedding_dim=config.hidden_size,
+                over_embedding_m=config.ngram_embedding_m,
+                over_embedding_k=config.ngram_embedding_k,
+                over_embedding_n=config.ngram_embedding_n,
+                eos_token_id=config.eos_token_id,
+            )
+        else:
+            self.use_ngram_embedding = False
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size,
+                config.hidden_size,
+                use_attn_tp_group=is_dp_attention_enabled(),
+            )
 
-        self.alt_stream = torch.cuda.Stream()
-        self.layers = nn.ModuleList(
-            [
-                LongcatFlashDecoderLayer(
-                    config,
-                    layer_id,
-                    quant_config=quant_config,
-                    prefix=add_prefix(f"layers.{layer_id}", prefix),
-                    alt_stream=self.alt_stream,
-                )
-                for layer_id in range(config.num_hidden_layers)
-            ]
-        )
+        self.alt_stream = get_stream("alt")
+        with layer_stack():
+            self.layers = nn.ModuleList(
+                [
+                    LongcatFlashDecoderLayer(
+                        config,
+                        layer_id,
+                        quant_config=quant_config,
+                        prefix=add_prefix(f"layers.{layer_id}", prefix),
+                        alt_stream=self.alt_stream,
+                    )
+                    for layer_id in range(config.num_hidden_layers)
+                ]
+            )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers_to_capture = []
 
@@ -540,27 +605,35 @@ class LongcatFlashModel(nn.Module):
             device=device,
         )
         if input_embeds is None:
-            hidden_states = self.embed_tokens(input_ids)
+            if self.use_ngram_embedding:
+                hidden_states = self.embed_tokens(input_ids, forward_batch)
+            else:
+                hidden_states = self.embed_tokens(input_ids)
         else:
             hidden_states = input_embeds
 
-        residual = None
+        residual_batch.start(forward_batch)
 
         aux_hidden_states = []
+        topk_indices = None
         for i in range(total_num_layers):
             if i in self.layers_to_capture:
-                aux_hidden_states.append(hidden_states + residual)
+                aux_hidden_states.append(
+                    residual_batch.snapshot(hidden_states, forward_batch)
+                )
             with get_global_expert_distribution_recorder().with_current_layer(i):
                 layer = self.layers[i]
-                hidden_states, residual = layer(
-                    positions, hidden_states, forward_batch, residual, zero_allocator
+                hidden_states, topk_indices = layer(
+                    positions,
+                    hidden_states,
+                    forward_batch,
+                    zero_allocator,
+                    topk_indices,
                 )
 
-        if hidden_states.shape[0] != 0:
-            if residual is None:
-                hidden_states = self.norm(hidden_states)
-            else:
-                hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states = residual_batch.final_norm(
+            hidden_states, forward_batch, self.norm, skip_empty=True
+        )
 
         if len(aux_hidden_states) == 0:
             return hidden_states
@@ -592,17 +665,17 @@ class LongcatFlashForCausalLM(nn.Module):
             ]
 
         self.config = config
-        self.tp_size = get_tensor_model_parallel_world_size()
         self.quant_config = quant_config
         self.model = LongcatFlashModel(
             config, quant_config, prefix=add_prefix("model", prefix)
         )
+        self.use_ngram_embedding = config.use_ngram_embedding
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,
             quant_config=quant_config,
             prefix=add_prefix("lm_head", prefix),
-            use_attn_tp_group=get_global_server_args().enable_dp_lm_head,
+            use_attn_tp_group=get_parallel().enable_dp_lm_head,
         )
         self.logits_processor = LogitsProcessor(config)
         self.capture_aux_hidden_states = False
@@ -629,7 +702,6 @@ class LongcatFlashForCausalLM(nn.Module):
         )
 
     def post_load_weights(self, weight_names=None):
-
         # Perform post-processing after loading weights
         if weight_names is None:
             layer_ids = range(self.config.num_hidden_layers)
@@ -693,7 +765,7 @@ class LongcatFlashForCausalLM(nn.Module):
                             if (
                                 deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM
                                 and not deep_gemm_wrapper.DEEPGEMM_BLACKWELL
-                                and get_bool_env_var("SGL_USE_DEEPGEMM_BMM", "false")
+                                and envs.SGLANG_USE_DEEPGEMM_BMM.get()
                             ):
                                 block_scale = weight_scale
                                 use_deep_gemm_bmm = True
@@ -760,18 +832,6 @@ class LongcatFlashForCausalLM(nn.Module):
                         )
                         if _is_hip:
                             self_attn.w_scale *= 2.0
-                    # TODO: remove this after adding FP8 support in bmm cpu kernel
-                    if (
-                        _is_cpu
-                        and _is_cpu_amx_available
-                        and w.dtype == torch.float8_e4m3fn
-                    ):
-                        self_attn.w_kc = (
-                            self_attn.w_kc.to(torch.bfloat16) * self_attn.w_scale
-                        )
-                        self_attn.w_vc = (
-                            self_attn.w_vc.to(torch.bfloat16) * self_attn.w_scale
-                        )
                 else:
                     num_tiles_k = self_attn.qk_nope_head_dim // weight_block_size[1]
                     num_tiles_n = self_attn.v_head_dim // weight_block_size[0]
@@ -853,7 +913,6 @@ class LongcatFlashForCausalLM(nn.Module):
                     requant_weight_ue8m0_inplace(w[0], w[1], weight_block_size)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
-
         stacked_params_mapping = [
             # (param_name, shard_name, shard_id)
             ("gate_up_proj", "gate_proj", 0),
@@ -874,7 +933,6 @@ class LongcatFlashForCausalLM(nn.Module):
             self.config.q_lora_rank is not None
         )
         cached_a_proj = {} if fuse_qkv_a_proj else None
-
         with concurrent.futures.ThreadPoolExecutor() as executor:
             futures = []
             params_dict = dict(self.named_parameters())
@@ -883,6 +941,12 @@ class LongcatFlashForCausalLM(nn.Module):
                 use_async_loading = should_async_load(loaded_weight)
                 if "mtp" in name:
                     continue
+                if self.use_ngram_embedding:
+                    if ".embed_tokens." in name:
+                        name = "model.embed_tokens.word_embeder.weight"
+                    if ".ngram_embeddings" in name:
+                        self.model.embed_tokens.load_weight(None, name, loaded_weight)
+                        continue
                 weight_names.append(name)
                 if "rotary_emb.inv_freq" in name:
                     continue

@@ -37,20 +37,25 @@ from typing import Iterable, Optional, Tuple
 import torch
 from torch import nn
 
+from sglang.kernels.ops.quantization.fp8_kernel import is_fp8_fnuz
 from sglang.srt.configs import LongcatFlashConfig
+from sglang.srt.environ import envs
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.layers import deep_gemm_wrapper
-from sglang.srt.layers.communicator import LayerCommunicator, LayerScatterModes
 from sglang.srt.layers.dp_attention import (
-    get_attention_tp_rank,
-    get_attention_tp_size,
     is_dp_attention_enabled,
 )
+from sglang.srt.layers.layer_boundary import (
+    append_stages,
+    declare_attn,
+    declare_ffn,
+    layer_stack,
+)
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
-from sglang.srt.layers.quantization.fp8_kernel import is_fp8_fnuz
 from sglang.srt.layers.quantization.fp8_utils import (
     block_quant_dequant,
     block_quant_to_tensor_quant,
@@ -70,6 +75,7 @@ from sglang.srt.model_loader.utils import should_deepgemm_weight_requant_ue8m0
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.deepseek_v2 import DeepseekV2AttentionMLA
 from sglang.srt.models.longcat_flash import LongcatFlashForCausalLM, LongcatFlashMLP
+from sglang.srt.runtime_context import get_stream
 from sglang.srt.utils import (
     BumpAllocator,
     add_prefix,
@@ -93,11 +99,11 @@ _is_cpu = is_cpu()
 _device_sm = get_device_sm()
 
 if _is_cuda:
-    from sgl_kernel import awq_dequantize
+    from sglang.kernels.ops.quantization.awq_dequantize import awq_dequantize
 elif _is_cpu and _is_cpu_amx_available:
     pass
 elif _is_hip:
-    from sglang.srt.layers.quantization.awq_triton import (
+    from sglang.kernels.ops.quantization.awq_triton import (
         awq_dequantize_triton as awq_dequantize,
     )
 else:
@@ -108,7 +114,6 @@ logger = logging.getLogger(__name__)
 
 
 class LongcatFlashDenseDecoderLayer(nn.Module):
-
     def __init__(
         self,
         config: LongcatFlashConfig,
@@ -132,8 +137,12 @@ class LongcatFlashDenseDecoderLayer(nn.Module):
             v_head_dim=config.v_head_dim,
             q_lora_rank=config.q_lora_rank,
             kv_lora_rank=config.kv_lora_rank,
-            rope_theta=config.rope_theta,
-            rope_scaling=None,
+            rope_theta=(
+                config.rope_parameters["rope_theta"]
+                if "rope_theta" in getattr(config, "rope_parameters", {})
+                else config.rope_theta
+            ),
+            rope_scaling=getattr(config, "rope_scaling", None),
             max_position_embeddings=config.max_position_embeddings,
             quant_config=quant_config,
             layer_id=layer_id,
@@ -147,6 +156,7 @@ class LongcatFlashDenseDecoderLayer(nn.Module):
             intermediate_size=config.intermediate_size,
             hidden_act=config.hidden_act,
             quant_config=quant_config,
+            reduce_results=False,
             prefix=add_prefix(f"mlps", prefix),
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -154,19 +164,12 @@ class LongcatFlashDenseDecoderLayer(nn.Module):
             config.hidden_size, eps=config.rms_norm_eps
         )
 
-        self.attn_tp_size = get_attention_tp_size()
-        self.attn_tp_rank = get_attention_tp_rank()
-        self.layer_scatter_modes = LayerScatterModes.init_new(
-            layer_id=self.layer_id,
-            num_layers=config.num_hidden_layers,
-            is_layer_sparse=False,
-            is_previous_layer_sparse=False,
-            is_next_layer_sparse=False,
-        )
-        self.layer_communicator = LayerCommunicator(
-            layer_scatter_modes=self.layer_scatter_modes,
-            input_layernorm=self.input_layernorm,
-            post_attention_layernorm=self.post_attention_layernorm,
+        self.attn_boundary, self.ffn_boundary = append_stages(
+            (declare_attn(), self.input_layernorm),
+            (
+                declare_ffn(sparse=False, next_layer_sparse=False),
+                self.post_attention_layernorm,
+            ),
         )
 
     def forward(
@@ -174,13 +177,10 @@ class LongcatFlashDenseDecoderLayer(nn.Module):
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
-        residual: Optional[torch.Tensor],
         zero_allocator: BumpAllocator,
     ) -> torch.Tensor:
 
-        hidden_states, residual = self.layer_communicator.prepare_attn(
-            hidden_states, residual, forward_batch
-        )
+        hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
         if hidden_states.shape[0] != 0:
             hidden_states = self.self_attn(
                 positions=positions,
@@ -189,14 +189,11 @@ class LongcatFlashDenseDecoderLayer(nn.Module):
                 zero_allocator=zero_allocator,
             )
 
-        hidden_states, residual = self.layer_communicator.prepare_mlp(
-            hidden_states, residual, forward_batch
-        )
+        hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
+        hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
         hidden_states = self.mlp(hidden_states)
-        hidden_states, residual = self.layer_communicator.postprocess_layer(
-            hidden_states, residual, forward_batch
-        )
-        return hidden_states, residual
+        hidden_states = self.ffn_boundary.finish(hidden_states, forward_batch)
+        return hidden_states
 
 
 class LongcatFlashModelNextN(nn.Module):
@@ -208,7 +205,7 @@ class LongcatFlashModelNextN(nn.Module):
     ) -> None:
         super().__init__()
         self.vocab_size = config.vocab_size
-        self.alt_stream = torch.cuda.Stream()
+        self.alt_stream = get_stream("alt")
 
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size,
@@ -227,9 +224,10 @@ class LongcatFlashModelNextN(nn.Module):
             quant_config=quant_config,
             prefix=add_prefix("eh_proj", ""),
         )
-        self.decoder = LongcatFlashDenseDecoderLayer(
-            config, 0, quant_config=quant_config, alt_stream=self.alt_stream
-        )
+        with layer_stack():
+            self.decoder = LongcatFlashDenseDecoderLayer(
+                config, 0, quant_config=quant_config, alt_stream=self.alt_stream
+            )
 
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -266,22 +264,22 @@ class LongcatFlashModelNextN(nn.Module):
                 )
             )
 
-        residual = None
+        residual_batch.start(forward_batch)
         with get_global_expert_distribution_recorder().disable_this_region():
-            hidden_states, residual = self.decoder(
-                positions, hidden_states, forward_batch, residual, zero_allocator
+            hidden_states = self.decoder(
+                positions, hidden_states, forward_batch, zero_allocator
             )
 
+        hidden_states = residual_batch.complete_output(hidden_states, forward_batch)
+
         if not forward_batch.forward_mode.is_idle():
-            if residual is not None:
-                hidden_states, _ = self.final_layernorm(hidden_states, residual)
-            else:
-                hidden_states = self.final_layernorm(hidden_states)
+            hidden_states = residual_batch.final_norm(
+                hidden_states, forward_batch, self.final_layernorm
+            )
         return hidden_states
 
 
 class LongcatFlashForCausalLMNextN(LongcatFlashForCausalLM):
-
     def __init__(
         self,
         config: LongcatFlashConfig,
@@ -363,7 +361,7 @@ class LongcatFlashForCausalLMNextN(LongcatFlashForCausalLM):
                     if (
                         deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM
                         and not deep_gemm_wrapper.DEEPGEMM_BLACKWELL
-                        and get_bool_env_var("SGL_USE_DEEPGEMM_BMM", "false")
+                        and envs.SGLANG_USE_DEEPGEMM_BMM.get()
                     ):
                         block_scale = weight_scale
                         use_deep_gemm_bmm = True
@@ -426,10 +424,6 @@ class LongcatFlashForCausalLMNextN(LongcatFlashForCausalLM):
                 )
                 if _is_hip:
                     self_attn.w_scale *= 2.0
-            # TODO: remove this after adding FP8 support in bmm cpu kernel
-            if _is_cpu and _is_cpu_amx_available and w.dtype == torch.float8_e4m3fn:
-                self_attn.w_kc = self_attn.w_kc.to(torch.bfloat16) * self_attn.w_scale
-                self_attn.w_vc = self_attn.w_vc.to(torch.bfloat16) * self_attn.w_scale
         else:
             num_tiles_k = self_attn.qk_nope_head_dim // weight_block_size[1]
             num_tiles_n = self_attn.v_head_dim // weight_block_size[0]

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
-from sglang.srt.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-)
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_context import (
+    get_req_to_token_pool,
+    get_token_to_kv_pool,
+)
 from sglang.srt.models.registry import import_model_classes
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import is_npu
 
 _is_npu = is_npu()
@@ -51,7 +52,7 @@ def tensor_torch2ms(x: torch.Tensor):
     return ms_tensor
 
 
-def tensor_ms2torch(x: "ms.Tensor"):
+def tensor_ms2torch(x: ms.Tensor):
     if x is None or not isinstance(x, ms.Tensor):
         return x
 
@@ -148,7 +149,7 @@ class LowerTriangularMask:
     def gen_attention_mask(
         self,
         is_prefill: bool,
-        position_ids: "ms.Tensor",
+        position_ids: ms.Tensor,
         query_lens_np: np.ndarray,
         seq_lens_np: np.ndarray,
     ):
@@ -181,10 +182,10 @@ class MindSporeForCausalLM(torch.nn.Module):
 
         logger.info(
             "MindSporeForCausalLM tp size %d tp rank %d",
-            get_tensor_model_parallel_world_size(),
-            get_tensor_model_parallel_rank(),
+            get_parallel().tp_size,
+            get_parallel().tp_rank,
         )
-        if get_tensor_model_parallel_world_size() not in (1, 2, 4, 8):
+        if get_parallel().tp_size not in (1, 2, 4, 8):
             # MatMulAllReduce only support tp size in (1, 2, 4, 8)
             ms.set_context(graph_kernel_flags="--disable_pass=MatMulAllReduce")
 
@@ -196,6 +197,12 @@ class MindSporeForCausalLM(torch.nn.Module):
         )
         self.key_cache = []
         self.value_cache = []
+
+    @property
+    def hot_token_id(self):
+        if hasattr(self.model, "hot_token_id"):
+            return tensor_ms2torch(self.model.hot_token_id)
+        return None
 
     def get_arch(self, config):
         return _get_arch_from_config(config)
@@ -215,11 +222,11 @@ class MindSporeForCausalLM(torch.nn.Module):
         def prepare_cache(cache_list, is_key_cache):
             for i in range(self.config.num_hidden_layers):
                 if is_key_cache:
-                    cache = forward_batch.token_to_kv_pool.get_key_buffer(i)
+                    cache = get_token_to_kv_pool().get_key_buffer(i)
                 else:
-                    cache = forward_batch.token_to_kv_pool.get_value_buffer(i)
+                    cache = get_token_to_kv_pool().get_value_buffer(i)
                 cache_ms = tensor_torch2ms(cache)
-                if cache_ms.ndim == 3:
+                if self.use_mla and cache_ms.ndim == 3:
                     cache_ms = mint.unsqueeze(cache_ms, 2)
                 cache_list.append(cache_ms)
 
@@ -236,30 +243,43 @@ class MindSporeForCausalLM(torch.nn.Module):
 
         return mutable(self.key_cache), mutable(self.value_cache)
 
+    def _is_prefill(self, forward_batch: ForwardBatch):
+        # Different processing for the mindspore attention operator
+        # Without any prefix cache => Use FlashAttentionScore
+        # With cache => Use PagedAttention, no matter the query length is 1 or not
+        is_prefill = (
+            forward_batch.forward_mode.is_extend()
+            and not forward_batch.forward_mode.is_draft_extend_v2()
+            and not forward_batch.forward_mode.is_target_verify()
+        )
+        if forward_batch.extend_prefix_lens is not None:
+            is_prefill = (
+                is_prefill and forward_batch.extend_prefix_lens.sum().item() == 0
+            )
+        return is_prefill
+
     def prepare_inputs(self, input_ids, positions, forward_batch):
         if self.use_mla:
             key_cache = self.get_kvcache(forward_batch)
         else:
             key_cache, value_cache = self.get_kvcache(forward_batch)
 
-        # Different processing for the mindspore attention operator
-        # Without any prefix cache => Use FlashAttentionScore
-        # With cache => Use PagedAttention, no matter the query length is 1 or not
-        is_prefill = forward_batch.forward_mode.is_extend()
-        is_prefill = is_prefill and forward_batch.extend_prefix_lens.sum().item() == 0
-
+        is_prefill = self._is_prefill(forward_batch)
         batch_valid_length = forward_batch.seq_lens.cpu().numpy()
-
+        if forward_batch.forward_mode.is_target_verify():
+            batch_valid_length += forward_batch.spec_info.draft_token_num
         if forward_batch.extend_seq_lens is not None:
             q_seq_lens = forward_batch.extend_seq_lens.cpu().numpy()
         else:
             q_seq_lens = np.ones([forward_batch.batch_size], dtype=np.int32)
+            if forward_batch.forward_mode.is_target_verify():
+                q_seq_lens = q_seq_lens * forward_batch.spec_info.draft_token_num
 
-        page_size = forward_batch.token_to_kv_pool.page_size
+        page_size = get_token_to_kv_pool().page_size
         block_tables = tensor_torch2ms(
             (
-                forward_batch.req_to_token_pool.req_to_token[
-                    forward_batch.req_pool_indices, : forward_batch.seq_lens.max()
+                get_req_to_token_pool().req_to_token[
+                    forward_batch.req_pool_indices, : batch_valid_length.max()
                 ][:, ::page_size]
                 // page_size
             )
@@ -283,6 +303,8 @@ class MindSporeForCausalLM(torch.nn.Module):
         if not self.use_mla:
             model_inputs["value_cache"] = value_cache
         model_inputs["block_tables"] = block_tables
+        # for speculative decode
+        model_inputs["forward_mode"] = forward_batch.forward_mode
         return model_inputs
 
     def forward(
@@ -290,16 +312,23 @@ class MindSporeForCausalLM(torch.nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         forward_batch: ForwardBatch,
-    ) -> "ms.Tensor":
+    ) -> ms.Tensor:
         # prepare base inputs
         model_inputs = self.prepare_inputs(input_ids, positions, forward_batch)
         # prepare model inputs
         model_inputs = self.model.prepare_inputs(forward_batch, model_inputs)
 
-        logits = self.model(**model_inputs)
+        # Used by speculative decoding (EAGLE)
+        if self.model.capture_aux_hidden_states:
+            logits, hidden_states = self.model(**model_inputs)
+        else:
+            logits = self.model(**model_inputs)
+            hidden_states = None
 
-        # TODO: npu tensor ms2torch error to be fix, remain issues of torch_npu to get tensor from dlpack
-        logits_result = LogitsProcessorOutput(next_token_logits=tensor_ms2torch(logits))
+        logits_result = LogitsProcessorOutput(
+            next_token_logits=tensor_ms2torch(logits),
+            hidden_states=tensor_ms2torch(hidden_states),
+        )
         return logits_result
 
     @classmethod
@@ -312,6 +341,23 @@ class MindSporeForCausalLM(torch.nn.Module):
             return method(config)
         except Exception:
             return None
+
+    # The following methods are used for speculative decoding
+    def get_embed_and_head(self):
+        embed, head = self.model.get_embed_and_head()
+        return tensor_ms2torch(embed), tensor_ms2torch(head)
+
+    def set_embed_and_head(self, embed, head):
+        self.model.set_embed_and_head(tensor_torch2ms(embed), tensor_torch2ms(head))
+
+    def get_embed(self):
+        return tensor_ms2torch(self.model.get_embed())
+
+    def set_embed(self, embed):
+        self.model.set_embed(tensor_torch2ms(embed))
+
+    def set_eagle3_layers_to_capture(self, layer_ids: Optional[List[int]] = None):
+        self.model.set_eagle3_layers_to_capture(layer_ids)
 
 
 EntryClass = [MindSporeForCausalLM]

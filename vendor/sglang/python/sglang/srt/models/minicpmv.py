@@ -21,9 +21,11 @@
 # limitations under the License.
 """Inference-only MiniCPM-V model compatible with HuggingFace weights."""
 
+import re
 import types
+from array import array
 from functools import partial
-from itertools import chain
+from itertools import chain, groupby
 from typing import (
     Any,
     Callable,
@@ -44,22 +46,34 @@ from torch import nn
 from torch.nn.init import trunc_normal_
 from transformers import PretrainedConfig
 
+from sglang.srt.configs.qwen3_5 import Qwen3_5MoeTextConfig
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.managers.mm_utils import (
-    MultiModalityDataPaddingPatternTokenPairs,
     general_mm_embed_routine,
+    pad_mm_token_pairs,
+    pad_mm_tokens,
 )
-from sglang.srt.managers.schedule_batch import MultimodalDataItem, MultimodalInputs
+from sglang.srt.managers.schedule_batch import (
+    MultimodalDataItem,
+    MultimodalInputFormat,
+    MultimodalInputs,
+)
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from sglang.srt.models.idefics2 import Idefics2VisionTransformer
 from sglang.srt.models.llama import LlamaConfig, LlamaForCausalLM
+from sglang.srt.models.minicpmv_vit import (
+    MiniCPMV_Merger,
+    MiniCPMV_VisionTransformer,
+)
 from sglang.srt.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from sglang.srt.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from sglang.srt.utils import add_prefix, flatten_nested_list
+from sglang.srt.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from sglang.srt.models.utils import WeightsMapper
+from sglang.srt.utils import add_prefix, flatten_nested_list, get_device
 
 RawImageType = Union[Image.Image, torch.Tensor]
 
@@ -260,7 +274,6 @@ class BaseResampler(nn.Module):
 
 
 class Resampler2_5(BaseResampler):
-
     def __init__(
         self,
         num_queries: int,
@@ -337,9 +350,7 @@ class Resampler2_5(BaseResampler):
             key_padding_mask[i, patch_len[i] :] = True
         pos_embed = torch.nn.utils.rnn.pad_sequence(
             pos_embed, batch_first=True, padding_value=0.0
-        ).permute(
-            1, 0, 2
-        )  # BLD => L * B * D
+        ).permute(1, 0, 2)  # BLD => L * B * D
         x, _ = self.kv_proj(x)  # B * L * D
         x = self.ln_kv(x).permute(1, 0, 2)  # L * B * D
 
@@ -360,7 +371,6 @@ class Resampler2_5(BaseResampler):
 
 
 class Resampler4_5(BaseResampler):
-
     def __init__(
         self,
         num_queries: int,
@@ -513,9 +523,7 @@ class Resampler4_5(BaseResampler):
 
         pos_embed_2d = torch.nn.utils.rnn.pad_sequence(
             pos_embed_2d, batch_first=True, padding_value=0.0
-        ).permute(
-            1, 0, 2
-        )  # BLD => L * B * D
+        ).permute(1, 0, 2)  # BLD => L * B * D
 
         k = x
         v = x + pos_embed_2d
@@ -545,14 +553,10 @@ class Resampler4_5(BaseResampler):
 
             k = torch.nn.utils.rnn.pad_sequence(
                 merge_k, batch_first=True, padding_value=0.0
-            ).permute(
-                1, 0, 2
-            )  # L*(end-start)
+            ).permute(1, 0, 2)  # L*(end-start)
             v = torch.nn.utils.rnn.pad_sequence(
                 merge_v, batch_first=True, padding_value=0.0
-            ).permute(
-                1, 0, 2
-            )  # L*(end-start)
+            ).permute(1, 0, 2)  # L*(end-start)
             key_padding_mask = torch.nn.utils.rnn.pad_sequence(
                 merge_key_padding_mask, batch_first=True, padding_value=True
             ).squeeze(-1)
@@ -571,7 +575,16 @@ class Resampler4_5(BaseResampler):
         return x
 
 
+# 4.6+ ship their own ``model_type``; 4.7 checkpoints still carry a stale
+# numeric ``version``, so ``model_type`` must win.
+_MODEL_TYPE_VERSIONS = {"minicpmv4_6": (4, 6), "minicpmv4_7": (4, 7)}
+
+
 def get_version_by_config(config: PretrainedConfig) -> Tuple[int, ...]:
+    model_type = getattr(config, "model_type", None)
+    if model_type in _MODEL_TYPE_VERSIONS:
+        return _MODEL_TYPE_VERSIONS[model_type]
+
     version_float = getattr(config, "version", None)
 
     # The old configs do not include version number
@@ -712,8 +725,7 @@ class MiniCPMBaseModel(nn.Module):
             )
             if not isinstance(image_embeds, (torch.Tensor, list)):
                 raise ValueError(
-                    f"Incorrect type of image embeds. "
-                    f"Got type: {type(image_embeds)}"
+                    f"Incorrect type of image embeds. Got type: {type(image_embeds)}"
                 )
 
             if isinstance(image_embeds, list):
@@ -923,7 +935,7 @@ class MiniCPMV2_6(MiniCPMBaseModel):
                 prefix=prefix,
             )
 
-        return resampler.to(device="cuda", dtype=torch.get_default_dtype())
+        return resampler.to(device=get_device(), dtype=torch.get_default_dtype())
 
     def get_vision_embedding(
         self,
@@ -939,6 +951,10 @@ class MiniCPMV2_6(MiniCPMBaseModel):
         return vision_embedding
 
     def get_image_feature(self, items: List[MultimodalDataItem]) -> torch.Tensor:
+        if items and items[0].format == MultimodalInputFormat.PRECOMPUTED_EMBEDDING:
+            result = torch.cat([item.feature for item in items])
+            return result.reshape(-1, result.shape[-1])
+
         # list of tensors
         pixel_values = flatten_nested_list([item.feature for item in items])
         tgt_sizes = torch.stack(
@@ -977,7 +993,7 @@ class MiniCPMV2_6(MiniCPMBaseModel):
         )
         return self.resampler(vision_embedding, tgt_sizes)
 
-    def pad_input_ids(self, input_ids: List[int], image_inputs: MultimodalInputs):
+    def pad_input_ids(self, input_ids: array, image_inputs: MultimodalInputs) -> array:
         # Get all special token IDs
         im_start_id: int = image_inputs.im_start_id
         im_end_id: int = image_inputs.im_end_id
@@ -985,9 +1001,14 @@ class MiniCPMV2_6(MiniCPMBaseModel):
         slice_end_id: int = image_inputs.slice_end_id
 
         media_token_pairs = [(im_start_id, im_end_id), (slice_start_id, slice_end_id)]
-        pattern = MultiModalityDataPaddingPatternTokenPairs(media_token_pairs)
-
-        return pattern.pad_input_tokens(input_ids, image_inputs)
+        # Only increment data_idx on im_start (not slice_start) so all slices
+        # within one image share the same pad_value for per-image caching.
+        return pad_mm_token_pairs(
+            input_ids,
+            image_inputs,
+            data_token_pairs=media_token_pairs,
+            data_start_token_ids=[im_start_id],
+        )
 
 
 class MiniCPMV4_0(MiniCPMBaseModel):
@@ -1081,7 +1102,7 @@ class MiniCPMV4_0(MiniCPMBaseModel):
                 prefix=prefix,
             )
 
-        return resampler.to(device="cuda", dtype=torch.get_default_dtype())
+        return resampler.to(device=get_device(), dtype=torch.get_default_dtype())
 
     def get_vision_embedding(
         self,
@@ -1097,6 +1118,10 @@ class MiniCPMV4_0(MiniCPMBaseModel):
         return vision_embedding
 
     def get_image_feature(self, items: List[MultimodalDataItem]) -> torch.Tensor:
+        if items and items[0].format == MultimodalInputFormat.PRECOMPUTED_EMBEDDING:
+            result = torch.cat([item.feature for item in items])
+            return result.reshape(-1, result.shape[-1])
+
         # list of tensors
         pixel_values = flatten_nested_list([item.feature for item in items])
         tgt_sizes = torch.stack(
@@ -1135,7 +1160,7 @@ class MiniCPMV4_0(MiniCPMBaseModel):
         )
         return self.resampler(vision_embedding, tgt_sizes)
 
-    def pad_input_ids(self, input_ids: List[int], image_inputs: MultimodalInputs):
+    def pad_input_ids(self, input_ids: array, image_inputs: MultimodalInputs) -> array:
         # Get all special token IDs
         im_start_id: int = image_inputs.im_start_id
         im_end_id: int = image_inputs.im_end_id
@@ -1143,9 +1168,14 @@ class MiniCPMV4_0(MiniCPMBaseModel):
         slice_end_id: int = image_inputs.slice_end_id
 
         media_token_pairs = [(im_start_id, im_end_id), (slice_start_id, slice_end_id)]
-        pattern = MultiModalityDataPaddingPatternTokenPairs(media_token_pairs)
-
-        return pattern.pad_input_tokens(input_ids, image_inputs)
+        # Only increment data_idx on im_start (not slice_start) so all slices
+        # within one image share the same pad_value for per-image caching.
+        return pad_mm_token_pairs(
+            input_ids,
+            image_inputs,
+            data_token_pairs=media_token_pairs,
+            data_start_token_ids=[im_start_id],
+        )
 
 
 class MiniCPMV4_5(MiniCPMBaseModel):
@@ -1243,7 +1273,7 @@ class MiniCPMV4_5(MiniCPMBaseModel):
                 prefix=prefix,
             )
 
-        return resampler.to(device="cuda", dtype=torch.get_default_dtype())
+        return resampler.to(device=get_device(), dtype=torch.get_default_dtype())
 
     def get_vision_embedding(
         self,
@@ -1259,6 +1289,10 @@ class MiniCPMV4_5(MiniCPMBaseModel):
         return vision_embedding
 
     def get_image_feature(self, items: List[MultimodalDataItem]) -> torch.Tensor:
+        if items and items[0].format == MultimodalInputFormat.PRECOMPUTED_EMBEDDING:
+            result = torch.cat([item.feature for item in items])
+            return result.reshape(-1, result.shape[-1])
+
         # list of tensors
         pixel_values = flatten_nested_list([item.feature for item in items])
         tgt_sizes = torch.stack(
@@ -1297,7 +1331,7 @@ class MiniCPMV4_5(MiniCPMBaseModel):
         )
         return self.resampler(vision_embedding, tgt_sizes)
 
-    def pad_input_ids(self, input_ids: List[int], image_inputs: MultimodalInputs):
+    def pad_input_ids(self, input_ids: array, image_inputs: MultimodalInputs) -> array:
         # Get all special token IDs
         im_start_id: int = image_inputs.im_start_id
         im_end_id: int = image_inputs.im_end_id
@@ -1305,16 +1339,368 @@ class MiniCPMV4_5(MiniCPMBaseModel):
         slice_end_id: int = image_inputs.slice_end_id
 
         media_token_pairs = [(im_start_id, im_end_id), (slice_start_id, slice_end_id)]
-        pattern = MultiModalityDataPaddingPatternTokenPairs(media_token_pairs)
-
-        return pattern.pad_input_tokens(input_ids, image_inputs)
+        # Only increment data_idx on im_start (not slice_start) so all slices
+        # within one image share the same pad_value for per-image caching.
+        return pad_mm_token_pairs(
+            input_ids,
+            image_inputs,
+            data_token_pairs=media_token_pairs,
+            data_start_token_ids=[im_start_id],
+        )
 
     def eval(self):
         super().eval()
         return self
 
 
-_SUPPORT_VERSION = {(2, 6): MiniCPMV2_6, (4, 0): MiniCPMV4_0, (4, 5): MiniCPMV4_5}
+class MiniCPMV4_6(MiniCPMBaseModel):
+    """MiniCPM-V 4.6.
+
+    Differences vs 4.5:
+      * mid-ViT compression (``MiniCPMV_VisionTransformer`` fires a 2x2 window
+        attention + 2x2 fold at ``config.insert_layer_id``);
+      * post-encoder connector is a pure MLP chain (``MiniCPMV_Merger``),
+        not a Perceiver resampler;
+      * LLM backbone is Qwen3.5;
+      * ``config.downsample_mode`` toggles ``"16x"`` (mid-ViT + post merger)
+        vs ``"4x"`` (skip mid-ViT, keep 4x more visual tokens).
+    """
+
+    packed_modules_mapping = {
+        "qkv_proj": [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+        ],
+        "gate_up_proj": [
+            "gate_proj",
+            "up_proj",
+        ],
+    }
+    supported_lora_modules = [
+        # vision encoder + mid-ViT merger
+        "fc1",
+        "fc2",
+        "out_proj",
+        "linear_1",
+        "linear_2",
+        # language model
+        "qkv_proj",
+        "o_proj",
+        "gate_up_proj",
+        "down_proj",
+    ]
+
+    bitsandbytes_stacked_params_mapping = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    embedding_modules = {}
+    embedding_padding_modules = []
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ):
+        super().__init__(config=config, quant_config=quant_config, prefix=prefix)
+        assert self.version in ((4, 6), (4, 7))
+        self.capture_aux_hidden_states = False
+        # ``Qwen3_5ForCausalLM`` returns plain hidden states (body only, no LM
+        # head, no LogitsProcessor). Add them here so the downstream sampler
+        # sees a ``LogitsProcessorOutput``. With ``tie_word_embeddings=True``
+        # (4.6 default) the head shares weights with the embedding.
+        text_config = config.text_config
+        if getattr(text_config, "tie_word_embeddings", False):
+            self.lm_head = self.llm.embed_tokens
+        else:
+            from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+            self.lm_head = ParallelLMHead(
+                text_config.vocab_size,
+                text_config.hidden_size,
+                quant_config=quant_config,
+                prefix=add_prefix("lm_head", prefix),
+            )
+
+    def init_llm(
+        self,
+        config: PretrainedConfig,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> nn.Module:
+        # 4.6 nests the LLM config under ``text_config``.
+        text_config = config.text_config
+        llm_cls = (
+            Qwen3_5MoeForCausalLM
+            if isinstance(text_config, Qwen3_5MoeTextConfig)
+            else Qwen3_5ForCausalLM
+        )
+        return llm_cls(config=text_config, quant_config=quant_config, prefix=prefix)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        # Apply our lm_head + LogitsProcessor on top of the base routine; the
+        # 4.6 LLM body (``Qwen3_5ForCausalLM``) returns plain hidden states,
+        # unlike the ``Qwen3ForCausalLM`` 4.5 used.
+        hidden_states = super().forward(
+            input_ids=input_ids,
+            positions=positions,
+            forward_batch=forward_batch,
+            **kwargs,
+        )
+        aux_hidden_states = None
+        if self.capture_aux_hidden_states:
+            hidden_states, aux_hidden_states = hidden_states
+        return self.logits_processor(
+            input_ids, hidden_states, self.lm_head, forward_batch, aux_hidden_states
+        )
+
+    def set_dflash_layers_to_capture(self, layer_ids: List[int]):
+        if layer_ids is None:
+            raise ValueError(
+                "DFLASH requires explicit layer_ids for aux hidden capture."
+            )
+        self.capture_aux_hidden_states = True
+        # Qwen3.5 layers capture their input, i.e. the previous layer's output.
+        self.llm.set_dflash_layers_to_capture([val + 1 for val in layer_ids])
+
+    def init_vision_module(
+        self,
+        config: PretrainedConfig,
+        quant_config: Optional[QuantizationConfig],
+        prefix: str = "",
+    ) -> nn.Module:
+        model = MiniCPMV_VisionTransformer(
+            config=config.vision_config, quant_config=quant_config, prefix=prefix
+        )
+        if getattr(self.config, "drop_vision_last_layer", False):
+            # The mid-ViT merger sits on the transformer (not encoder.layers),
+            # so popping the last encoder layer leaves it untouched — same
+            # behaviour as 4.5.
+            model.encoder.layers = model.encoder.layers[:-1]
+
+        setattr(model, "embed_dim", model.embeddings.embed_dim)
+        setattr(model, "patch_size", model.embeddings.patch_size)
+        return model
+
+    def init_resampler(
+        self,
+        embed_dim: int,
+        vision_dim: int,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ) -> nn.Module:
+        # 4.6 replaces Resampler4_5 with a pure MLP. Method name kept so
+        # ``MiniCPMBaseModel.__init__`` doesn't need to branch.
+        with set_default_torch_dtype(torch.float16):
+            merger = MiniCPMV_Merger(
+                config=self.config,
+                quant_config=quant_config,
+                prefix=prefix,
+            )
+        return merger.to(device=get_device(), dtype=torch.get_default_dtype())
+
+    def get_vision_embedding(
+        self,
+        pixel_values: List[torch.Tensor],
+        patch_attn_mask: Optional[torch.Tensor] = None,
+        tgt_sizes: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        hidden, _ = self.vpm(
+            pixel_values,
+            patch_attention_mask=patch_attn_mask,
+            target_sizes=tgt_sizes,
+        )
+        return hidden
+
+    def get_image_feature(self, items: List[MultimodalDataItem]) -> torch.Tensor:
+        if items and items[0].format == MultimodalInputFormat.PRECOMPUTED_EMBEDDING:
+            result = torch.cat([item.feature for item in items])
+            return result.reshape(-1, result.shape[-1])
+
+        # ``use_vit_merger`` is per request, and one batch can mix requests.
+        default = self.config.downsample_mode != "4x"
+        runs = groupby(
+            items,
+            key=lambda item: item.model_specific_data.get("use_vit_merger", default),
+        )
+        return torch.cat(
+            [
+                self._encode_patches(list(run), use_vit_merger)
+                for use_vit_merger, run in runs
+            ]
+        )
+
+    def _encode_patches(
+        self, items: List[MultimodalDataItem], use_vit_merger: bool
+    ) -> torch.Tensor:
+        pixel_values = flatten_nested_list([item.feature for item in items])
+        tgt_sizes = torch.stack(
+            flatten_nested_list([item.tgt_size for item in items]), dim=0
+        )
+        assert len(pixel_values) == tgt_sizes.shape[0]
+
+        device = self.vpm.embeddings.position_embedding.weight.device
+        dtype = self.vpm.embeddings.position_embedding.weight.dtype
+        all_pixel_values_lst = [
+            i.flatten(end_dim=1).permute(1, 0) for i in pixel_values
+        ]
+
+        max_patches = (tgt_sizes[:, 0] * tgt_sizes[:, 1]).max().item()
+        assert isinstance(max_patches, int)
+        all_pixel_values = torch.nn.utils.rnn.pad_sequence(
+            all_pixel_values_lst, batch_first=True, padding_value=0.0
+        )
+
+        B, L, _ = all_pixel_values.shape
+        all_pixel_values = all_pixel_values.permute(0, 2, 1).reshape(B, 3, -1, L)
+        patch_attn_mask = torch.zeros(
+            (B, 1, max_patches), dtype=torch.bool, device=device
+        )
+
+        tgt_sizes_tensor = tgt_sizes.clone().to(device=patch_attn_mask.device)
+        mask_shapes = tgt_sizes_tensor[:, 0] * tgt_sizes_tensor[:, 1]
+        patch_attn_mask[:, 0, :] = torch.arange(
+            patch_attn_mask.size(2), device=patch_attn_mask.device
+        ).unsqueeze(0) < mask_shapes.unsqueeze(1)
+
+        vision_embedding, tgt_sizes_out = self.vpm(
+            all_pixel_values.type(dtype),
+            patch_attention_mask=patch_attn_mask,
+            target_sizes=tgt_sizes,
+            use_vit_merger=use_vit_merger,
+        )
+        return self.resampler(vision_embedding, tgt_sizes_out)
+
+    # Video frames take the same vision path as image patches; the mm
+    # processor emits one ``MultimodalDataItem`` per patch regardless of
+    # source. sglang's dispatcher routes by ``get_{modality}_feature``.
+    get_video_feature = get_image_feature
+
+    def pad_input_ids(self, input_ids: array, image_inputs: MultimodalInputs) -> array:
+        # Every thumbnail / slice is its own item; pad each span with its own value.
+        return pad_mm_tokens(input_ids, image_inputs)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
+        """Remap 4.6 prefixes (``model.{vision_tower,merger,language_model}``)
+        to sglang's (``vpm`` / ``resampler`` / ``llm``) and delegate the LLM
+        portion to ``Qwen3_5ForCausalLM.load_weights`` — the Qwen3.5 hybrid
+        backbone has its own stacked-param logic (``in_proj_a/b -> in_proj_ba``,
+        ``in_proj_qkv/z -> in_proj_qkvz``) the legacy loader doesn't know.
+        Vision-side still needs QKV stacking + ``out_proj -> proj`` rename.
+        """
+
+        llm_weights: List[Tuple[str, torch.Tensor]] = []
+        vision_weights: List[Tuple[str, torch.Tensor]] = []
+        for name, w in weights:
+            if name.startswith("model.language_model."):
+                llm_weights.append((name[len("model.language_model.") :], w))
+                continue
+            if name.startswith("model.vision_tower."):
+                name = "vpm." + name[len("model.vision_tower.") :]
+            elif name.startswith("model.merger."):
+                name = "resampler." + name[len("model.merger.") :]
+            vision_weights.append((name, w))
+
+        self.llm.load_weights(iter(llm_weights))
+
+        stacked_params_mapping = [
+            ("self_attn.qkv_proj", "self_attn.q_proj", "q"),
+            ("self_attn.qkv_proj", "self_attn.k_proj", "k"),
+            ("self_attn.qkv_proj", "self_attn.v_proj", "v"),
+        ]
+        params_dict = dict(self.named_parameters())
+        for name, loaded_weight in vision_weights:
+            name = name.replace("self_attn.out_proj", "self_attn.proj")
+
+            for param_name, weight_name, shard_id in stacked_params_mapping:
+                if weight_name not in name:
+                    continue
+                target = name.replace(weight_name, param_name)
+                if target not in params_dict:
+                    continue
+                param = params_dict[target]
+                param.weight_loader(param, loaded_weight, shard_id)
+                break
+            else:
+                if name not in params_dict:
+                    continue
+                param = params_dict[name]
+                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                weight_loader(param, loaded_weight)
+
+
+# 4.7 checkpoints keep top-level ``llm`` / ``vpm`` / ``resampler`` / ``vit_merger``
+# names and store connector MLPs as ``nn.Sequential``.
+_V4_7_WEIGHT_PREFIXES = (
+    ("llm.model.", "model.language_model."),
+    ("llm.lm_head.", "lm_head."),
+    ("vit_merger.", "model.vision_tower.vit_merger."),
+    ("vpm.", "model.vision_tower."),
+    ("resampler.", "model.merger."),
+)
+
+
+def _v4_7_to_v4_6_weight_name(name: str) -> str:
+    for old, new in _V4_7_WEIGHT_PREFIXES:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    name = re.sub(r"^(model\.merger\.mlp\.\d+)\.mlp\.0\.", r"\1.linear_1.", name)
+    return re.sub(r"^(model\.merger\.mlp\.\d+)\.mlp\.2\.", r"\1.linear_2.", name)
+
+
+class MiniCPMV4_7(MiniCPMV4_6):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        quant_config: Optional[QuantizationConfig] = None,
+        prefix: str = "",
+    ):
+        super().__init__(config=config, quant_config=quant_config, prefix=prefix)
+        rope_parameters = config.text_config.rope_parameters or {}
+        self.is_mrope_enabled = "mrope_section" in rope_parameters
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if self.is_mrope_enabled:
+            positions = forward_batch.mrope_positions
+        return super().forward(
+            input_ids=input_ids,
+            positions=positions,
+            forward_batch=forward_batch,
+            **kwargs,
+        )
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
+        return super().load_weights(
+            (_v4_7_to_v4_6_weight_name(name), weight) for name, weight in weights
+        )
+
+
+_SUPPORT_VERSION = {
+    (2, 6): MiniCPMV2_6,
+    (4, 0): MiniCPMV4_0,
+    (4, 5): MiniCPMV4_5,
+    (4, 6): MiniCPMV4_6,
+    (4, 7): MiniCPMV4_7,
+}
 
 
 class MiniCPMV:
@@ -1333,6 +1719,14 @@ class MiniCPMV:
 
     minicpmv: nn.Module
 
+    @staticmethod
+    def shared_experts_fusion_disable_reason(hf_config, quant_config):
+        # 4.6/4.7 nest a Qwen3.5 config (dense or MoE) under ``text_config``;
+        # older versions are dense, for which the Qwen3.5 gate answers None.
+        return Qwen3_5ForCausalLM.shared_experts_fusion_disable_reason(
+            getattr(hf_config, "text_config", hf_config), quant_config
+        )
+
     def __init__(
         self,
         config: PretrainedConfig,
@@ -1341,7 +1735,13 @@ class MiniCPMV:
     ) -> None:
         super().__init__()
 
-        if not hasattr(config, "version"):
+        # 4.6+ carry their own ``model_type`` instead of a numeric
+        # ``config.version``; older versionless configs keep the legacy
+        # ``(2, 6)`` default.
+        model_type = getattr(config, "model_type", None)
+        if model_type in _MODEL_TYPE_VERSIONS:
+            version = _MODEL_TYPE_VERSIONS[model_type]
+        elif not hasattr(config, "version"):
             version = (2, 6)
         else:
             version = str(config.version).split(".")
@@ -1376,6 +1776,13 @@ class MiniCPMV:
         return self.minicpmv(*args, **kwargs)
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
+        # Defer to the version-specific subclass loader if it overrides the
+        # base (4.6 does — it needs prefix remap + Qwen3.5 LLM delegation).
+        sub_loader = getattr(type(self.minicpmv), "load_weights", None)
+        base_loader = getattr(MiniCPMBaseModel, "load_weights", None)
+        if sub_loader is not None and sub_loader is not base_loader:
+            return self.minicpmv.load_weights(weights)
+
         stacked_params_mapping = [
             # (param_name, shard_name, shard_id)
             ("qkv_proj", "q_proj", "q"),
@@ -1427,4 +1834,34 @@ class MiniCPMV:
                 weight_loader(param, loaded_weight)
 
 
-EntryClass = MiniCPMV
+# Real subclass (not an `=` alias) so the model registry — which keys by
+# ``__name__`` — resolves the canonical 4.6 architecture name through
+# ``MiniCPMV``'s version-dispatch factory.
+class MiniCPMV4_6ForConditionalGeneration(MiniCPMV):
+    # Only for the quant config: its ``ignore`` list names modules in either the
+    # HF or the native 4.7 layout (see _V4_7_WEIGHT_PREFIXES), while
+    # load_weights remaps checkpoint names itself.
+    hf_to_sglang_mapper = WeightsMapper(
+        orig_to_new_substr={"self_attn.out_proj": "self_attn.proj"},
+        orig_to_new_prefix={
+            "model.language_model.": "llm.",
+            "model.vision_tower.": "vpm.",
+            "model.merger.": "resampler.",
+            "llm.model.": "llm.",
+            "llm.lm_head": "lm_head",
+            "vit_merger.": "vpm.vit_merger.",
+        },
+        orig_to_new_suffix={".mlp.0": ".linear_1", ".mlp.2": ".linear_2"},
+    )
+    packed_modules_mapping = Qwen3_5ForCausalLM.packed_modules_mapping
+
+
+class MiniCPMV4_7ForConditionalGeneration(MiniCPMV4_6ForConditionalGeneration):
+    pass
+
+
+EntryClass = [
+    MiniCPMV,
+    MiniCPMV4_6ForConditionalGeneration,
+    MiniCPMV4_7ForConditionalGeneration,
+]

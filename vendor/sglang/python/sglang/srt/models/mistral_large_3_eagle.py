@@ -1,69 +1,40 @@
 # Adapted from https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/mistral_large_3_eagle.py
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 from typing import Optional
 
 import torch
-from torch import nn
 from transformers import PretrainedConfig
 
-from sglang.srt.distributed import get_pp_group
-from sglang.srt.layers.attention.nsa.utils import is_nsa_enable_prefill_cp
-from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import RowParallelLinear
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
-from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PPProxyTensors
-from sglang.srt.models.deepseek_v2 import DeepseekV2DecoderLayer, DeepseekV2Model
+from sglang.srt.models.deepseek_v2 import DeepseekV2Model
 from sglang.srt.models.mistral_large_3 import MistralLarge3ForCausalLM
 from sglang.srt.utils import add_prefix
 
 
-class MistralLarge3Model(DeepseekV2Model):
+class MistralLarge3EagleModel(DeepseekV2Model):
+    """EAGLE draft model with an fc layer that fuses token embeddings and
+    target-model hidden states before passing through transformer layers."""
+
     def __init__(
         self,
         config: PretrainedConfig,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
     ):
-        nn.Module.__init__(self)
-
-        self.config = config
-        self.vocab_size = config.vocab_size
-        assert get_pp_group().world_size == 1
-        self.pp_group = get_pp_group()
-        self.nsa_enable_prefill_cp = is_nsa_enable_prefill_cp()
-
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size,
-            config.hidden_size,
-            prefix=add_prefix("embed_tokens", prefix),
-        )
-
-        self.layers = nn.ModuleList(
-            [
-                DeepseekV2DecoderLayer(
-                    config=config,
-                    prefix=add_prefix(prefix, f"layers.{i}"),
-                    quant_config=quant_config,
-                    layer_id=i,
-                )
-                for i in range(self.config.num_hidden_layers)
-            ]
-        )
-        self.start_layer = 0
-        self.end_layer = self.config.num_hidden_layers
+        super().__init__(config, quant_config, prefix=prefix)
+        assert self.pp_group.world_size == 1
 
         self.fc = RowParallelLinear(
-            self.config.hidden_size * 2,
-            self.config.hidden_size,
+            config.hidden_size * 2,
+            config.hidden_size,
             bias=False,
             quant_config=quant_config,
-            prefix=add_prefix(prefix, "fc"),
+            prefix=add_prefix("fc", prefix),
             input_is_parallel=False,
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers_to_capture = []
-        self.llama_4_scaling_config = getattr(config, "llama_4_scaling", None)
 
     def forward(
         self,
@@ -99,9 +70,14 @@ class MistralLarge3ForCausalLMEagle(MistralLarge3ForCausalLM):
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
     ):
-        config.quant_config = quant_config
-        self.model_cls = MistralLarge3Model
+        # DeepseekV2ForCausalLM.__init__ hardcodes self.model = DeepseekV2Model.
+        # We let the parent init run (it sets up weight loading attrs, lm_head,
+        # etc.), then replace self.model with MistralLarge3EagleModel which has
+        # the EAGLE fc layer. The discarded 2-layer DeepseekV2Model is tiny.
         super().__init__(config=config, quant_config=quant_config, prefix=prefix)
+        self.model = MistralLarge3EagleModel(
+            config, quant_config=quant_config, prefix=add_prefix("model", prefix)
+        )
 
 
 EntryClass = [MistralLarge3ForCausalLMEagle]

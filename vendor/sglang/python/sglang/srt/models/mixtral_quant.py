@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Copyright 2023-2024 SGLang Team
 # Licensed under the Apache License, Version 2.0 (the "License");
 # you may not use this file except in compliance with the License.
@@ -25,8 +27,6 @@ from torch import nn
 from transformers import MixtralConfig
 
 from sglang.srt.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
 from sglang.srt.layers.layernorm import RMSNorm
@@ -45,6 +45,7 @@ from sglang.srt.layers.vocab_parallel_embedding import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
 
 
@@ -105,8 +106,8 @@ class MixtralMoE(nn.Module):
     ):
         super().__init__()
         self.config = config
-        self.rank = get_tensor_model_parallel_rank()
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self.rank = get_parallel().tp_rank
+        self.tp_size = get_parallel().tp_size
         self.num_total_experts = config.num_local_experts
         self.top_k = config.num_experts_per_tok
         if self.tp_size > self.num_total_experts:
@@ -115,10 +116,10 @@ class MixtralMoE(nn.Module):
                 f"the number of experts {self.num_total_experts}."
             )
         # Split experts equally between ranks
-        self.expert_indicies = np.array_split(
+        self.expert_indices = np.array_split(
             range(self.num_total_experts), self.tp_size
         )[self.rank].tolist()
-        if not self.expert_indicies:
+        if not self.expert_indices:
             raise ValueError(f"Rank {self.rank} has no experts assigned to it.")
 
         self.experts = nn.ModuleList(
@@ -131,7 +132,7 @@ class MixtralMoE(nn.Module):
                         quant_config=quant_config,
                         prefix=add_prefix(f"experts.{idx}", prefix),
                     )
-                    if idx in self.expert_indicies
+                    if idx in self.expert_indices
                     else None
                 )
                 for idx in range(self.num_total_experts)
@@ -155,7 +156,7 @@ class MixtralMoE(nn.Module):
         routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
 
         final_hidden_states = None
-        for expert_idx in self.expert_indicies:
+        for expert_idx in self.expert_indices:
             expert_layer = self.experts[expert_idx]
             expert_mask = selected_experts == expert_idx
             expert_weights = (routing_weights * expert_mask).sum(dim=-1, keepdim=True)
@@ -183,7 +184,7 @@ class MixtralAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = get_parallel().tp_size
         self.total_num_heads = num_heads
         assert self.total_num_heads % tp_size == 0
         self.num_heads = self.total_num_heads // tp_size
@@ -261,7 +262,7 @@ class MixtralDecoderLayer(nn.Module):
         super().__init__()
         self.hidden_size = config.hidden_size
         # Requires transformers > 4.32.0
-        rope_theta = getattr(config, "rope_theta", 10000)
+        rope_theta = config.rope_parameters["rope_theta"]
         self.self_attn = MixtralAttention(
             hidden_size=self.hidden_size,
             num_heads=config.num_attention_heads,

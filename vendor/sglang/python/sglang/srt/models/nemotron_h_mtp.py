@@ -18,11 +18,15 @@ import torch
 from torch import nn
 
 from sglang.srt.configs import NemotronHConfig
-from sglang.srt.distributed import get_pp_group
+from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+from sglang.srt.layers.layer_boundary import layer_stack
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ColumnParallelLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.quantization import QuantizationConfig
+from sglang.srt.layers.quantization.modelopt_quant import ModelOptNvFp4A16LinearMethod
 from sglang.srt.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -33,7 +37,8 @@ from sglang.srt.models.nemotron_h import (
     NemotronHForCausalLM,
     NemotronHMoEDecoderLayer,
 )
-from sglang.srt.server_args import get_global_server_args
+from sglang.srt.models.utils import WeightsMapper
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix
 
 
@@ -60,12 +65,13 @@ class NemotronHMTPAttentionDecoderLayer(NemotronHAttentionDecoderLayer):
             self.enorm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
             self.hnorm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-            # Fusion layer to combine embeddings with target hidden states
+            _dp_attn = is_dp_attention_enabled()
             self.eh_proj = ColumnParallelLinear(
                 input_size=config.hidden_size * 2,
                 output_size=config.hidden_size,
                 bias=False,
-                gather_output=True,
+                gather_output=not _dp_attn,
+                parallel_group="attn_tp" if _dp_attn else "tp",
                 params_dtype=(
                     config.dtype if hasattr(config, "dtype") else torch.bfloat16
                 ),
@@ -84,9 +90,8 @@ class NemotronHMTPAttentionDecoderLayer(NemotronHAttentionDecoderLayer):
         *,
         inputs_embeds: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None = None,
         forward_batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         if self.has_start_projections:
             inputs_embeds_normed = self.enorm(inputs_embeds)
             previous_hidden_states_normed = self.hnorm(hidden_states)
@@ -95,21 +100,27 @@ class NemotronHMTPAttentionDecoderLayer(NemotronHAttentionDecoderLayer):
                 [inputs_embeds_normed, previous_hidden_states_normed], dim=-1
             )
             hidden_states, _ = self.eh_proj(fused)
+            if is_dp_attention_enabled():
+                hidden_states = get_parallel().attn_tp_group.all_gather(
+                    hidden_states, dim=-1
+                )
 
-        hidden_states, residual = super().forward(
+        if self.has_start_projections:
+            hidden_states = residual_batch.set_written(hidden_states, forward_batch)
+
+        hidden_states = super().forward(
             hidden_states=hidden_states,
-            residual=residual,
             forward_batch=forward_batch,
         )
 
         if self.has_end_norm:
-            if residual is not None:
-                hidden_states = hidden_states + residual
-                residual = None
+            hidden_states = residual_batch.fold(hidden_states, forward_batch)
 
-            hidden_states = self.final_layernorm(hidden_states)
+            hidden_states = residual_batch.set_written(
+                self.final_layernorm(hidden_states), forward_batch
+            )
 
-        return hidden_states, residual
+        return hidden_states
 
 
 class NemotronHMTPMoEDecoderLayer(NemotronHMoEDecoderLayer):
@@ -127,6 +138,7 @@ class NemotronHMTPMoEDecoderLayer(NemotronHMoEDecoderLayer):
             layer_idx=layer_idx,
             quant_config=quant_config,
             prefix=prefix,
+            is_nextn=True,
         )
         self.has_start_projections = has_start_projections
         self.has_end_norm = has_end_norm
@@ -135,11 +147,13 @@ class NemotronHMTPMoEDecoderLayer(NemotronHMoEDecoderLayer):
             self.enorm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
             self.hnorm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
+            _dp_attn = is_dp_attention_enabled()
             self.eh_proj = ColumnParallelLinear(
                 input_size=config.hidden_size * 2,
                 output_size=config.hidden_size,
                 bias=False,
-                gather_output=True,
+                gather_output=not _dp_attn,
+                parallel_group="attn_tp" if _dp_attn else "tp",
                 params_dtype=(
                     config.dtype if hasattr(config, "dtype") else torch.bfloat16
                 ),
@@ -158,9 +172,8 @@ class NemotronHMTPMoEDecoderLayer(NemotronHMoEDecoderLayer):
         *,
         inputs_embeds: torch.Tensor,
         hidden_states: torch.Tensor,
-        residual: torch.Tensor | None = None,
         forward_batch: ForwardBatch,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         if self.has_start_projections:
             inputs_embeds_normed = self.enorm(inputs_embeds)
             previous_hidden_states_normed = self.hnorm(hidden_states)
@@ -169,21 +182,27 @@ class NemotronHMTPMoEDecoderLayer(NemotronHMoEDecoderLayer):
                 [inputs_embeds_normed, previous_hidden_states_normed], dim=-1
             )
             hidden_states, _ = self.eh_proj(fused)
+            if is_dp_attention_enabled():
+                hidden_states = get_parallel().attn_tp_group.all_gather(
+                    hidden_states, dim=-1
+                )
 
-        hidden_states, residual = super().forward(
+        if self.has_start_projections:
+            hidden_states = residual_batch.set_written(hidden_states, forward_batch)
+
+        hidden_states = super().forward(
             hidden_states=hidden_states,
-            residual=residual,
             forward_batch=forward_batch,
         )
 
         if self.has_end_norm:
-            if residual is not None:
-                hidden_states = hidden_states + residual
-                residual = None
+            hidden_states = residual_batch.fold(hidden_states, forward_batch)
 
-            hidden_states = self.final_layernorm(hidden_states)
+            hidden_states = residual_batch.set_written(
+                self.final_layernorm(hidden_states), forward_batch
+            )
 
-        return hidden_states, residual
+        return hidden_states
 
 
 class NemotronHMultiTokenPredictor(nn.Module):
@@ -201,9 +220,9 @@ class NemotronHMultiTokenPredictor(nn.Module):
 
         self.mtp_start_layer_idx = config.num_hidden_layers
         self.num_mtp_layers = getattr(config, "num_nextn_predict_layers", 1)
-        assert (
-            self.num_mtp_layers == 1
-        ), "Only one MTP layer is supported for NemotronH-MTP"
+        assert self.num_mtp_layers == 1, (
+            "Only one MTP layer is supported for NemotronH-MTP"
+        )
 
         self.pattern_str = config.mtp_hybrid_override_pattern
         self.pattern_len = len(self.pattern_str)
@@ -212,6 +231,8 @@ class NemotronHMultiTokenPredictor(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             self.vocab_size,
             config.hidden_size,
+            org_num_embeddings=config.vocab_size,
+            use_attn_tp_group=is_dp_attention_enabled(),
         )
 
         # Build flat list of layers
@@ -219,63 +240,85 @@ class NemotronHMultiTokenPredictor(nn.Module):
 
         # Total number of physical layers = num_steps * pattern_len
         total_layers = self.num_mtp_layers * self.pattern_len
-        for i in range(total_layers):
-            step_rel_idx = i % self.pattern_len
+        with layer_stack():
+            for i in range(total_layers):
+                step_rel_idx = i % self.pattern_len
 
-            char = self.pattern_str[step_rel_idx]
+                char = self.pattern_str[step_rel_idx]
 
-            is_start_of_step = step_rel_idx == 0
-            is_end_of_step = step_rel_idx == self.pattern_len - 1
+                is_start_of_step = step_rel_idx == 0
+                is_end_of_step = step_rel_idx == self.pattern_len - 1
 
-            layer_prefix = f"{prefix}.layers.{i}"
+                layer_prefix = f"{prefix}.layers.{i}"
 
-            common_kwargs = dict(
-                config=config,
-                layer_idx=i,
-                quant_config=quant_config,
-                prefix=layer_prefix,
-                has_start_projections=is_start_of_step,
-                has_end_norm=is_end_of_step,
-            )
-
-            if char == "*":
-                self.layers[str(i)] = NemotronHMTPAttentionDecoderLayer(**common_kwargs)
-            elif char == "E":
-                self.layers[str(i)] = NemotronHMTPMoEDecoderLayer(**common_kwargs)
-            else:
-                raise NotImplementedError(
-                    f"Pattern char '{char}' in {self.pattern_str} not implemented"
+                common_kwargs = dict(
+                    config=config,
+                    layer_idx=i,
+                    quant_config=quant_config,
+                    prefix=layer_prefix,
+                    has_start_projections=is_start_of_step,
+                    has_end_norm=is_end_of_step,
                 )
 
+                if char == "*":
+                    self.layers[str(i)] = NemotronHMTPAttentionDecoderLayer(
+                        **common_kwargs
+                    )
+                elif char == "E":
+                    self.layers[str(i)] = NemotronHMTPMoEDecoderLayer(**common_kwargs)
+                else:
+                    raise NotImplementedError(
+                        f"Pattern char '{char}' in {self.pattern_str} not implemented"
+                    )
+
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        assert (
-            self.embed_tokens is not None
-        ), "embed_tokens not initialized - must be shared from target model"
+        assert self.embed_tokens is not None, (
+            "embed_tokens not initialized - must be shared from target model"
+        )
         return self.embed_tokens(input_ids)
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        hidden_states: torch.Tensor,
+        positions: torch.Tensor,
         forward_batch: ForwardBatch,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if inputs_embeds is None:
-            inputs_embeds = self.get_input_embeddings(input_ids)
+            inputs_embeds = forward_batch.mm_input_embeds
+            if (
+                forward_batch.forward_mode.is_extend()
+                and forward_batch.contains_mm_inputs()
+                and not forward_batch.forward_mode.is_draft_extend_v2()
+            ):
+                assert inputs_embeds is not None
+                last_indices = (
+                    forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
+                ).long()
+                inputs_embeds[last_indices] = self.get_input_embeddings(
+                    input_ids[last_indices]
+                )
+            if inputs_embeds is None:
+                inputs_embeds = self.get_input_embeddings(input_ids)
 
-        residual = None
+        hidden_states = forward_batch.spec_info.hidden_states
+        residual_batch.start(forward_batch)
 
-        for i in range(self.pattern_len):
-            hidden_states, residual = self.layers[str(i)](
-                inputs_embeds=inputs_embeds,
-                hidden_states=hidden_states,
-                residual=residual,
-                forward_batch=forward_batch,
-            )
-        return hidden_states
+        with get_global_expert_distribution_recorder().disable_this_region():
+            for i in range(self.pattern_len):
+                hidden_states = self.layers[str(i)](
+                    inputs_embeds=inputs_embeds,
+                    hidden_states=hidden_states,
+                    forward_batch=forward_batch,
+                )
+        return residual_batch.take_output(hidden_states, forward_batch)
 
 
 class NemotronHForCausalLMMTP(NemotronHForCausalLM):
+    hf_to_sglang_mapper = NemotronHForCausalLM.hf_to_sglang_mapper | WeightsMapper(
+        orig_to_new_prefix={"language_model.mtp.": "mtp."}
+    )
+
     def __init__(
         self,
         config: NemotronHConfig,
@@ -283,10 +326,12 @@ class NemotronHForCausalLMMTP(NemotronHForCausalLM):
         prefix: str = "",
     ):
         nn.Module.__init__(self)
+        config = config.get_mtp_config()
         self.config = config
         self.quant_config = quant_config
+        self._owns_lm_head = False
         # Required for parent's load_weights
-        self.pp_group = get_pp_group()
+        self.pp_group = get_parallel().pp_group
 
         # Override config for MTP pattern (which has no Mamba layers)
         config.num_hidden_layers = len(config.mtp_hybrid_override_pattern)
@@ -297,7 +342,7 @@ class NemotronHForCausalLMMTP(NemotronHForCausalLM):
         self.model = NemotronHMultiTokenPredictor(
             config=config,
             quant_config=quant_config,
-            prefix=add_prefix("model", prefix),
+            prefix=add_prefix("mtp", prefix),
         )
 
         self.lm_head = ParallelLMHead(
@@ -305,7 +350,7 @@ class NemotronHForCausalLMMTP(NemotronHForCausalLM):
             self.config.hidden_size,
             quant_config=quant_config,
             prefix=add_prefix("lm_head", prefix),
-            use_attn_tp_group=get_global_server_args().enable_dp_lm_head,
+            use_attn_tp_group=get_parallel().enable_dp_lm_head,
         )
 
         self.logits_processor = LogitsProcessor(config)
@@ -319,11 +364,9 @@ class NemotronHForCausalLMMTP(NemotronHForCausalLM):
         input_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        hidden_states = forward_batch.spec_info.hidden_states
-
         hidden_states = self.model(
             input_ids,
-            hidden_states,
+            positions,
             forward_batch,
             input_embeds,
         )
@@ -334,7 +377,58 @@ class NemotronHForCausalLMMTP(NemotronHForCausalLM):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], is_mtp: bool = False
     ):
-        super().load_weights(weights, is_mtp=True)
+        has_mtp_layers = False
+        has_target_layers = False
+        head_weights = set()
+
+        def normalized_weights():
+            nonlocal has_mtp_layers, has_target_layers
+            for name, weight in weights:
+                name = name.removeprefix("language_model.")
+                has_mtp_layers |= name.startswith("mtp.layers.")
+                has_target_layers |= name.startswith(
+                    ("backbone.layers.", "model.layers.")
+                )
+                if name.startswith("lm_head."):
+                    head_weights.add(name)
+                yield name, weight
+
+        # Inspect names while streaming: buffering a full target checkpoint here
+        # would double its host-memory footprint during embedded MTP loading.
+        super().load_weights(normalized_weights(), is_mtp=True)
+        self._owns_lm_head = bool(
+            has_mtp_layers and not has_target_layers and head_weights
+        )
+        if self._owns_lm_head:
+            expected = {
+                name
+                for name, _ in self.named_parameters()
+                if name.startswith("lm_head.")
+            }
+            if "lm_head.input_scale" in expected and isinstance(
+                self.lm_head.quant_method, ModelOptNvFp4A16LinearMethod
+            ):
+                # NVFP4A16 accepts this loader placeholder but never uses it.
+                expected.remove("lm_head.input_scale")
+            missing = (expected | {"lm_head.weight"}) - head_weights
+            if missing:
+                raise ValueError(
+                    f"Incomplete standalone MTP lm_head: missing {sorted(missing)}"
+                )
+
+    def set_embed_and_head(self, embed, head):
+        if not self._owns_lm_head:
+            return super().set_embed_and_head(embed, head)
+        # Standalone MTP checkpoints can supply a differently quantized head.
+        # Share only the input embeddings; retain the entire loaded head module.
+        self.model.embed_tokens.weight = embed
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+
+    def set_lm_head_from_target(self, target_lm_head: nn.Module) -> None:
+        if self.config.tie_word_embeddings or self._owns_lm_head:
+            return
+        self.lm_head = target_lm_head
 
 
 EntryClass = [NemotronHForCausalLMMTP]

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Copyright 2023-2025 SGLang Team
 # Licensed under the Apache License, Version 2.0 (the "License");
 # you may not use this file except in compliance with the License.
@@ -21,7 +23,12 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from sglang.srt.distributed import get_pp_group
+from sglang.srt.layers.layer_boundary import (
+    append_stages,
+    declare_attn,
+    declare_ffn,
+)
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from sglang.srt.layers.pooler import Pooler, PoolingType
@@ -38,7 +45,8 @@ from sglang.srt.model_loader.weight_utils import (
     maybe_remap_kv_scale_name,
 )
 from sglang.srt.models.llama import LlamaAttention, LlamaMLP
-from sglang.srt.utils import add_prefix, make_layers
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils import add_prefix, make_pp_layers
 from sglang.utils import logger
 
 
@@ -56,7 +64,6 @@ def _find_multiple(n: int, k: int) -> int:
 
 
 class DeciLMDecoderLayer(nn.Module):
-
     def __init__(
         self,
         config: LlamaConfig,
@@ -70,8 +77,8 @@ class DeciLMDecoderLayer(nn.Module):
         self._is_no_op_ffn = block_config.ffn.no_op
 
         self.hidden_size = config.hidden_size
-        rope_theta = getattr(config, "rope_theta", 10000)
-        rope_scaling = getattr(config, "rope_scaling", None)
+        rope_theta = config.rope_parameters["rope_theta"]
+        rope_scaling = config.rope_parameters
         if rope_scaling is not None and getattr(
             config, "original_max_position_embeddings", None
         ):
@@ -106,6 +113,7 @@ class DeciLMDecoderLayer(nn.Module):
                 quant_config=quant_config,
                 prefix=add_prefix("self_attn", prefix),
                 bias=attention_bias,
+                reduce_results=False,
             )
             self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -120,41 +128,65 @@ class DeciLMDecoderLayer(nn.Module):
                 hidden_act=config.hidden_act,
                 quant_config=quant_config,
                 prefix=add_prefix("mlp", prefix),
+                reduce_results=False,
             )
             self.post_attention_layernorm = RMSNorm(
                 config.hidden_size, eps=config.rms_norm_eps
             )
+
+        norms = []
+        if not self._is_no_op_attention:
+            norms.append(self.input_layernorm)
+        if not self._is_no_op_ffn:
+            norms.append(self.post_attention_layernorm)
+        stages = list(zip(self.stage_facts(config, layer_idx), norms, strict=True))
+        self.entry_boundary = None
+        if stages:
+            boundaries = append_stages(
+                *stages,
+            )
+            self.entry_boundary = boundaries[0]
+            if not self._is_no_op_attention:
+                self.attn_boundary = boundaries[0]
+            if not self._is_no_op_ffn:
+                self.ffn_boundary = boundaries[-1]
+
+    @staticmethod
+    def stage_facts(config: LlamaConfig, layer_idx: int):
+        """The stages a DeciLM layer declares, from its block config alone:
+        the model's shared declaration function, which the layer declares
+        with too (see make_layers)."""
+        block_config = config.block_configs[layer_idx]
+        # A layer whose attention and FFN are both no-ops has no stages.
+        stages = []
+        if not block_config.attention.no_op:
+            stages.append(declare_attn())
+        if not block_config.ffn.no_op:
+            stages.append(declare_ffn(sparse=False, next_layer_sparse=False))
+        return tuple(stages)
 
     def forward(
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         forward_batch: ForwardBatch,
-        residual: Optional[torch.Tensor],
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> torch.Tensor:
         # Self Attention
-
-        if self._is_no_op_attention:
-            pass
-        else:
-            if residual is None:
-                residual = hidden_states
-                hidden_states = self.input_layernorm(hidden_states)
-            else:
-                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if not self._is_no_op_attention:
+            hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch)
             hidden_states = self.self_attn(
                 positions=positions,
                 hidden_states=hidden_states,
                 forward_batch=forward_batch,
             )
+            hidden_states = self.attn_boundary.finish(hidden_states, forward_batch)
 
         # Fully Connected
         if not self._is_no_op_ffn:
-            hidden_states, residual = self.post_attention_layernorm(
-                hidden_states, residual
-            )
+            hidden_states = self.ffn_boundary.prepare(hidden_states, forward_batch)
             hidden_states = self.mlp(hidden_states)
-        return hidden_states, residual
+            hidden_states = self.ffn_boundary.finish(hidden_states, forward_batch)
+        return hidden_states
 
 
 class DeciModel(nn.Module):
@@ -178,7 +210,7 @@ class DeciModel(nn.Module):
             else 0
         )
         vocab_size = config.vocab_size + lora_vocab
-        if get_pp_group().is_first_rank:
+        if get_parallel().pp_group.is_first_rank:
             self.embed_tokens = VocabParallelEmbedding(
                 vocab_size,
                 config.hidden_size,
@@ -196,14 +228,13 @@ class DeciModel(nn.Module):
                 prefix=prefix,
             )
 
-        self.layers, self.start_layer, self.end_layer = make_layers(
+        self.layers, self.start_layer, self.end_layer = make_pp_layers(
             config.num_hidden_layers,
             get_layer,
-            pp_rank=get_pp_group().rank_in_group,
-            pp_size=get_pp_group().world_size,
             prefix=add_prefix("layers", prefix),
+            stage_facts=lambda idx: layer_type.stage_facts(config, idx),
         )
-        if get_pp_group().is_last_rank:
+        if get_parallel().pp_group.is_last_rank:
             self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         else:
             self.norm = PPMissingLayer(return_tuple=True)
@@ -219,37 +250,28 @@ class DeciModel(nn.Module):
         inputs_embeds: Optional[torch.Tensor] = None,
         pp_proxy_tensors: Optional[PPProxyTensors] = None,
     ) -> Union[torch.Tensor, PPProxyTensors]:
-        if get_pp_group().is_first_rank:
+        if get_parallel().pp_group.is_first_rank:
             if inputs_embeds is not None:
                 hidden_states = inputs_embeds
             else:
                 hidden_states = self.get_input_embeddings(input_ids)
-            residual = None
+            residual_batch.start(forward_batch)
         else:
             assert pp_proxy_tensors is not None
-            hidden_states = pp_proxy_tensors["hidden_states"]
-            residual = pp_proxy_tensors["residual"]
-
-        kv_cache_index = 0
-        for i in range(self.start_layer, self.end_layer):
-            layer = self.layers[i]
-            if not layer._is_no_op_attention:
-                hidden_states, residual = layer(
-                    positions, hidden_states, forward_batch, residual
-                )
-                kv_cache_index += 1
-            else:
-                hidden_states, residual = layer(
-                    positions, hidden_states, forward_batch, residual
-                )
-
-        if not get_pp_group().is_last_rank:
-            return PPProxyTensors(
-                {"hidden_states": hidden_states, "residual": residual}
+            entry = next(
+                self.layers[i].entry_boundary
+                for i in range(self.start_layer, self.end_layer)
+                if self.layers[i].entry_boundary is not None
             )
+            hidden_states = entry.from_pp(pp_proxy_tensors, forward_batch)
 
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        for i in range(self.start_layer, self.end_layer):
+            hidden_states = self.layers[i](positions, hidden_states, forward_batch)
+
+        if not get_parallel().pp_group.is_last_rank:
+            return residual_batch.to_pp(hidden_states, forward_batch)
+
+        return residual_batch.final_norm(hidden_states, forward_batch, self.norm)
 
 
 class DeciLMForCausalLM(nn.Module):
@@ -359,7 +381,7 @@ class DeciLMForCausalLM(nn.Module):
             inputs_embeds,
             pp_proxy_tensors=pp_proxy_tensors,
         )
-        if get_pp_group().is_last_rank:
+        if get_parallel().pp_group.is_last_rank:
             if not get_embedding:
                 return self.logits_processor(
                     input_ids, hidden_states, self.lm_head, forward_batch

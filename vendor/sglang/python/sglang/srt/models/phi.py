@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/phi.py
 from typing import Iterable, Optional
 
@@ -5,7 +7,6 @@ import torch
 from torch import nn
 from transformers import PhiConfig
 
-from sglang.srt.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from sglang.srt.layers.activation import get_act_fn
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -22,11 +23,11 @@ from sglang.srt.layers.vocab_parallel_embedding import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import add_prefix, make_layers
 
 
 class PhiAttention(nn.Module):
-
     def __init__(
         self,
         config: PhiConfig,
@@ -39,7 +40,7 @@ class PhiAttention(nn.Module):
         self.hidden_size = config.hidden_size
         self.head_size = self.hidden_size // self.total_num_heads
 
-        tensor_model_parallel_world_size = get_tensor_model_parallel_world_size()
+        tensor_model_parallel_world_size = get_parallel().tp_size
         assert self.total_num_heads % tensor_model_parallel_world_size == 0
         self.num_heads = self.total_num_heads // tensor_model_parallel_world_size
 
@@ -63,7 +64,7 @@ class PhiAttention(nn.Module):
         )
         assert rotary_dim % 2 == 0
 
-        rope_theta = getattr(config, "rope_theta", 10000.0)
+        rope_theta = config.rope_parameters["rope_theta"]
         max_position_embeddings = getattr(config, "max_position_embeddings", 2048)
         self.rotary_emb = get_rope(
             self.head_size,
@@ -96,7 +97,6 @@ class PhiAttention(nn.Module):
 
 
 class PhiMLP(nn.Module):
-
     def __init__(
         self, config: PhiConfig, quant_config: Optional[QuantizationConfig] = None
     ):
@@ -125,7 +125,6 @@ class PhiMLP(nn.Module):
 
 
 class PhiLayer(nn.Module):
-
     def __init__(
         self,
         config: PhiConfig,
@@ -164,7 +163,6 @@ class PhiLayer(nn.Module):
 
 
 class PhiModel(nn.Module):
-
     def __init__(
         self,
         config: PhiConfig,
@@ -177,7 +175,7 @@ class PhiModel(nn.Module):
             config.vocab_size, config.hidden_size
         )
 
-        pp_group = get_pp_group()
+        pp_group = get_parallel().pp_group
         pp_size = pp_group.world_size
         pp_rank = pp_group.rank
 

@@ -6,7 +6,6 @@ from torch import nn
 from transformers import Phi3Config
 from transformers.configuration_utils import PretrainedConfig
 
-from sglang.srt.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from sglang.srt.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -25,17 +24,18 @@ from sglang.srt.layers.vocab_parallel_embedding import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
-from sglang.srt.utils import add_prefix, make_layers
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils import add_prefix, get_compiler_backend, make_pp_layers
 
 
-@torch.jit.script
 def quick_gelu(x):
     return x * torch.sigmoid(1.702 * x)
 
 
-@torch.jit.script
+@torch.compile(dynamic=True, backend=get_compiler_backend())
 def gegelu(input, limit: Optional[float] = None):
-    a_gelu, a_linear = input[..., ::2], input[..., 1::2]
+    # Flatten the interleaved pairs to keep compiled indexing one-dimensional.
+    a_gelu, a_linear = input.reshape(-1, 2).unbind(-1)
     if limit is not None:
         a_gelu = torch.where(
             torch.isinf(a_gelu), a_gelu, a_gelu.clamp(min=None, max=limit)
@@ -46,11 +46,10 @@ def gegelu(input, limit: Optional[float] = None):
             a_linear.clamp(min=-limit, max=limit),
         )
     out_gelu = quick_gelu(a_gelu)
-    return out_gelu * (a_linear + 1)
+    return (out_gelu * (a_linear + 1)).view(*input.shape[:-1], input.shape[-1] // 2)
 
 
 class Phi3SmallMLP(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -59,9 +58,9 @@ class Phi3SmallMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        assert (
-            self.config.hidden_act == "gegelu"
-        ), "Only `gegelu` is supported for the 4.7 series of models .."
+        assert self.config.hidden_act == "gegelu", (
+            "Only `gegelu` is supported for the 4.7 series of models .."
+        )
         self.hidden_size = config.hidden_size
         self.gegelu_limit = config.gegelu_limit
         self.intermediate_size = config.intermediate_size
@@ -89,7 +88,6 @@ class Phi3SmallMLP(nn.Module):
 
 
 class Phi3SmallSelfAttention(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -114,7 +112,7 @@ class Phi3SmallSelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
 
         self.head_dim = self.hidden_size // self.num_heads
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_size = get_parallel().tp_size
         # Number of total Key Value Heads before tensor parallel
         self.num_key_value_heads = config.num_key_value_heads
         self.num_q_per_kv = self.num_heads // self.num_key_value_heads
@@ -153,8 +151,8 @@ class Phi3SmallSelfAttention(nn.Module):
             prefix=add_prefix("o_proj", prefix),
         )
 
-        if getattr(self.config, "rope_scaling", None) is not None:
-            rope_scaling = self.config.rope_scaling
+        rope_scaling = self.config.rope_parameters
+        if rope_scaling is not None:
             for key in rope_scaling:
                 if isinstance(rope_scaling[key], list):
                     rope_scaling[key] = tuple(rope_scaling[key])
@@ -232,7 +230,6 @@ class Phi3SmallSelfAttention(nn.Module):
 
 
 class Phi3SmallDecoderLayer(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -285,7 +282,6 @@ class Phi3SmallDecoderLayer(nn.Module):
 
 
 class Phi3SmallModel(nn.Module):
-
     def __init__(
         self,
         config: Phi3Config,
@@ -296,7 +292,7 @@ class Phi3SmallModel(nn.Module):
 
         self.config = config
 
-        self.pp_group = get_pp_group()
+        self.pp_group = get_parallel().pp_group
         if self.pp_group.is_first_rank:
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size,
@@ -312,7 +308,7 @@ class Phi3SmallModel(nn.Module):
             prefix=add_prefix("embed_tokens", prefix),
         )
         self.mup_embedding_multiplier = config.mup_embedding_multiplier
-        self.layers, self.start_layer, self.end_layer = make_layers(
+        self.layers, self.start_layer, self.end_layer = make_pp_layers(
             config.num_hidden_layers,
             lambda idx, prefix: Phi3SmallDecoderLayer(
                 config,
@@ -320,8 +316,6 @@ class Phi3SmallModel(nn.Module):
                 quant_config,
                 prefix=prefix,
             ),
-            pp_rank=self.pp_group.rank_in_group,
-            pp_size=self.pp_group.world_size,
             prefix=add_prefix("layers", prefix),
         )
 
@@ -387,7 +381,7 @@ class Phi3SmallForCausalLM(nn.Module):
             quant_config=quant_config,
             prefix=add_prefix("lm_head", prefix),
         )
-        if self.config.tie_word_embeddings:
+        if getattr(self.config, "tie_word_embeddings", True):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config)
         self.pooler = Pooler(pooling_type=PoolingType.LAST, normalize=True)
@@ -465,7 +459,10 @@ class Phi3SmallForCausalLM(nn.Module):
                 continue
             if name.endswith(".bias") and name not in params_dict:
                 continue
-            if self.config.tie_word_embeddings and "lm_head.weight" in name:
+            if (
+                getattr(self.config, "tie_word_embeddings", True)
+                and "lm_head.weight" in name
+            ):
                 continue
 
             param = params_dict[name]

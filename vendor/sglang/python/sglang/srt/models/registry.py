@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/v0.6.4.post1/vllm/model_executor/models/registry.py
 
 import importlib
@@ -18,10 +20,19 @@ logger = logging.getLogger(__name__)
 class _ModelRegistry:
     # Keyed by model_arch
     models: Dict[str, Union[Type[nn.Module], str]] = field(default_factory=dict)
+    _default_models_loaded: bool = True
+
+    def _load_default_models(self):
+        if self._default_models_loaded:
+            return
+
+        self.models = import_model_classes("sglang.srt.models") | self.models
+        self._default_models_loaded = True
 
     def register(
         self, package_name: str, overwrite: bool = False, strict: bool = False
     ):
+        self._load_default_models()
         new_models = import_model_classes(package_name, strict=strict)
         if overwrite:
             self.models.update(new_models)
@@ -34,7 +45,11 @@ class _ModelRegistry:
                 self.models[arch] = cls
 
     def get_supported_archs(self) -> AbstractSet[str]:
+        self._load_default_models()
         return self.models.keys()
+
+    def is_arch_supported(self, architecture: str) -> bool:
+        return architecture in self.models or architecture in self.get_supported_archs()
 
     def _raise_for_unsupported(self, architectures: List[str]):
         all_supported_archs = self.get_supported_archs()
@@ -79,6 +94,16 @@ class _ModelRegistry:
         self,
         architectures: Union[str, List[str]],
     ) -> Tuple[Type[nn.Module], str]:
+        # Fast startup path: resolve registered models without importing defaults.
+        if architectures:
+            first_arch = (
+                architectures if isinstance(architectures, str) else architectures[0]
+            )
+            model_cls = self.models.get(first_arch)
+            if model_cls is not None:
+                return model_cls, first_arch
+
+        self._load_default_models()
         architectures = self._normalize_archs(architectures)
 
         for arch in architectures:
@@ -112,21 +137,23 @@ def import_model_classes(package_name: str, strict: bool = False):
                     entry, list
                 ):  # To support multiple model classes in one module
                     for tmp in entry:
-                        assert (
-                            tmp.__name__ not in model_arch_name_to_cls
-                        ), f"Duplicated model implementation for {tmp.__name__}"
+                        assert tmp.__name__ not in model_arch_name_to_cls, (
+                            f"Duplicated model implementation for {tmp.__name__}"
+                        )
                         model_arch_name_to_cls[tmp.__name__] = tmp
                 else:
-                    assert (
-                        entry.__name__ not in model_arch_name_to_cls
-                    ), f"Duplicated model implementation for {entry.__name__}"
+                    assert entry.__name__ not in model_arch_name_to_cls, (
+                        f"Duplicated model implementation for {entry.__name__}"
+                    )
                     model_arch_name_to_cls[entry.__name__] = entry
 
     return model_arch_name_to_cls
 
 
 ModelRegistry = _ModelRegistry()
-ModelRegistry.register("sglang.srt.models")
-
 if external_pkg := envs.SGLANG_EXTERNAL_MODEL_PACKAGE.get():
-    ModelRegistry.register(external_pkg, overwrite=True)
+    # Defer default model imports to speed up startup when using external models.
+    ModelRegistry._default_models_loaded = False
+    ModelRegistry.models.update(import_model_classes(external_pkg))
+else:
+    ModelRegistry.register("sglang.srt.models")

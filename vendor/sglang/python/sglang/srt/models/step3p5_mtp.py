@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 from transformers import PretrainedConfig
 
-from sglang.srt.distributed import get_tensor_model_parallel_world_size
+from sglang.srt.layers.layer_boundary import layer_stack
+from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
 from sglang.srt.layers.layernorm import GemmaRMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
@@ -41,7 +42,6 @@ def get_spec_layer_idx_from_weight_name(
 
 
 class SharedHead(nn.Module):
-
     def __init__(
         self,
         config,
@@ -80,9 +80,12 @@ class Step3p5AMultiTokenPredictor(nn.Module):
         self.hnorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(config.hidden_size * 2, config.hidden_size, bias=False)
         self.shared_head = SharedHead(config=config, quant_config=quant_config)
-        self.mtp_block = Step3p5DecoderLayer(
-            config=config, layer_id=layer_id, prefix=f"{prefix}.mtp_block"
-        )
+        with layer_stack():
+            self.mtp_block = Step3p5DecoderLayer(
+                config=config,
+                layer_id=layer_id,
+                prefix=f"{prefix}.mtp_block",
+            )
         self.lm_head = self.shared_head.head
 
     def forward(
@@ -107,22 +110,22 @@ class Step3p5AMultiTokenPredictor(nn.Module):
                     dim=-1,
                 )
             )
-        hidden_states, residual = self.mtp_block(
+        residual_batch.start(forward_batch)
+        hidden_states = self.mtp_block(
             positions=positions,
             hidden_states=hidden_states,
             forward_batch=forward_batch,
-            residual=None,
         )
+        hidden_states = residual_batch.complete_output(hidden_states, forward_batch)
         hidden_states_before_norm = None
         if not forward_batch.forward_mode.is_idle():
             # if forward_batch.return_hidden_states_before_norm:
-            hidden_states_before_norm = (
-                hidden_states if residual is None else hidden_states + residual
+            hidden_states_before_norm = residual_batch.snapshot(
+                hidden_states, forward_batch
             )
-            if residual is not None:
-                hidden_states, _ = self.shared_head.norm(hidden_states, residual)
-            else:
-                hidden_states = self.shared_head.norm(hidden_states)
+            hidden_states = residual_batch.final_norm(
+                hidden_states, forward_batch, self.shared_head.norm
+            )
 
         return hidden_states, hidden_states_before_norm
 
@@ -130,15 +133,14 @@ class Step3p5AMultiTokenPredictor(nn.Module):
         return self.embed_tokens(input_ids)
 
 
-# The current implementation differs slightly from the standard MTP implementation in Step3.5 Flash.
-# In the standard multi-layer MTP design of Step3.5 Flash,
-# the hidden states of each MTP layer are passed from the preceding MTP layer
-# (the hidden states of the initial (layer-0) MTP still being provided by the target model).
-# In contrast, the current SGL implementation obtains hidden states directly from the target model for all MTP layers.
-# Empirical evaluations indicate that the overall performance remains strong;
-# however, this design choice may lead to a slight reduction in acceptance rate in certain scenarios.
-# This behavior will be corrected shortly, and we expect to implement the standard multi-layer MTP design of Step3.5 Flash in the near future.
-# FIXME(yhyang201)
+# Chain-style multi-layer MTP (standard Step-3.5 Flash design):
+# each MTP layer consumes the hidden states produced by the preceding MTP layer,
+# while layer-0 consumes the hidden states from the target model.
+# The chain propagation is driven by MultiLayerEagleDraftWorker via the
+# ``chain_mtp_hidden_states`` flag: between speculative steps it overwrites
+# ``forward_batch.spec_info.hidden_states`` (and the CUDA-graph hidden_states
+# buffer in the draft-extend graph) with the previous layer's
+# ``hidden_states_before_norm`` returned by ``Step3p5AMultiTokenPredictor``.
 class Step3p5MTP(Step3p5ForCausalLM):
     def __init__(
         self,
@@ -149,7 +151,6 @@ class Step3p5MTP(Step3p5ForCausalLM):
     ) -> None:
         nn.Module.__init__(self)
         self.config = config
-        self.tp_size = get_tensor_model_parallel_world_size()
         self.quant_config = quant_config
         self.draft_model_idx = draft_model_idx
 

@@ -20,9 +20,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from sglang.srt.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
+)
+from sglang.srt.hardware_backend.npu.quantization.moe_methods import (
+    fused_moe_npu,
 )
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
@@ -33,9 +34,9 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor
-from sglang.srt.layers.moe.fused_moe_triton.fused_moe import fused_moe
 from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
-from sglang.srt.layers.moe.topk import TopK
+from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_moe
+from sglang.srt.layers.moe.topk import TopK, TopKOutputFormat
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import get_rope
@@ -45,11 +46,12 @@ from sglang.srt.layers.vocab_parallel_embedding import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
-from sglang.srt.utils import add_prefix
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.utils import add_prefix, is_npu
+from sglang.srt.utils.hf_transformers_utils import get_rope_config
 
 
 class XverseMLP(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -77,8 +79,7 @@ class XverseMLP(nn.Module):
         )
         if hidden_act != "silu":
             raise ValueError(
-                f"Unsupported activation: {hidden_act}. "
-                "Only silu is supported for now."
+                f"Unsupported activation: {hidden_act}. Only silu is supported for now."
             )
         self.act_fn = SiluAndMul()
 
@@ -90,17 +91,16 @@ class XverseMLP(nn.Module):
 
 
 class XverseMoE(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
+        layer_id: int,
         quant_config: Optional[QuantizationConfig] = None,
         prefix: str = "",
     ):
         super().__init__()
         self.config = config
-        self.rank = get_tensor_model_parallel_rank()
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_size = get_parallel().tp_size
         self.n_routed_experts = config.num_experts
         self.top_k = config.moe_top_k
         if self.tp_size > self.n_routed_experts:
@@ -134,7 +134,9 @@ class XverseMoE(nn.Module):
         )
         self.topk = TopK(
             top_k=self.top_k,
+            layer_id=layer_id,
             renormalize=getattr(self.config, "norm_topk_prob", False),
+            output_format=TopKOutputFormat.STANDARD,
         )
 
         if config.num_shared_experts is not None:
@@ -147,6 +149,7 @@ class XverseMoE(nn.Module):
                 reduce_results=False,
                 prefix=add_prefix("shared_experts", prefix),
             )
+        self.fused_moe_method = fused_moe if not is_npu() else fused_moe_npu
 
     def pack_params(self):
         w1 = []
@@ -175,7 +178,7 @@ class XverseMoE(nn.Module):
         # router_logits: (num_tokens, n_experts)
         router_logits, _ = self.router(hidden_states)
         topk_output = self.topk(hidden_states, router_logits)
-        final_hidden_states = fused_moe(
+        final_hidden_states = self.fused_moe_method(
             hidden_states,
             self.w1,
             self.w2,
@@ -191,7 +194,6 @@ class XverseMoE(nn.Module):
 
 
 class XverseAttention(nn.Module):
-
     def __init__(
         self,
         hidden_size: int,
@@ -206,7 +208,7 @@ class XverseAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
-        tp_size = get_tensor_model_parallel_world_size()
+        tp_size = get_parallel().tp_size
         self.total_num_heads = num_heads
         assert self.total_num_heads % tp_size == 0
         self.num_heads = self.total_num_heads // tp_size
@@ -277,7 +279,6 @@ class XverseAttention(nn.Module):
 
 
 class XverseDecoderLayer(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,
@@ -287,8 +288,7 @@ class XverseDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size = config.hidden_size
-        rope_theta = getattr(config, "rope_theta", 10000)
-        rope_scaling = getattr(config, "rope_scaling", None)
+        rope_theta, rope_scaling = get_rope_config(config)
         max_position_embeddings = getattr(config, "max_position_embeddings", 8192)
         num_key_value_heads = getattr(
             config, "num_key_value_heads", config.num_attention_heads
@@ -307,6 +307,7 @@ class XverseDecoderLayer(nn.Module):
         if config.num_experts is not None:
             self.mlp = XverseMoE(
                 config=config,
+                layer_id=layer_id,
                 quant_config=quant_config,
                 prefix=add_prefix("mlp", prefix),
             )
@@ -349,7 +350,6 @@ class XverseDecoderLayer(nn.Module):
 
 
 class XverseModel(nn.Module):
-
     fall_back_to_pt_during_load = False
 
     def __init__(
@@ -398,7 +398,6 @@ class XverseModel(nn.Module):
 
 
 class XverseMoeForCausalLM(nn.Module):
-
     def __init__(
         self,
         config: PretrainedConfig,

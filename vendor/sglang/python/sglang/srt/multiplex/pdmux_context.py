@@ -104,7 +104,12 @@ def divide_sm(total_sms, compute_capability, groups):
 def initialize_stream_groups(gpu_id: int, config: PDMuxConfig):
     from sgl_kernel import spatial
 
-    global STREAM_GROUPS, SM_COUNTS, SM_GROUP_NUM, CURRENT_STREAM_IDX, CURRENT_STREAM_GROUP
+    global \
+        STREAM_GROUPS, \
+        SM_COUNTS, \
+        SM_GROUP_NUM, \
+        CURRENT_STREAM_IDX, \
+        CURRENT_STREAM_GROUP
     # for pd_multiplexing, Init stream_groups
     device = torch.cuda.current_device()
     total_sm_count = spatial.get_sm_available(gpu_id)

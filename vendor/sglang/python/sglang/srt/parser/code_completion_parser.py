@@ -15,15 +15,16 @@
 
 import dataclasses
 import logging
-from enum import auto
+from enum import Enum, auto
+from typing import Optional
 
 from sglang.srt.entrypoints.openai.protocol import CompletionRequest
 
 logger = logging.getLogger(__name__)
-completion_template_name = None
+completion_template_name: Optional[str] = None
 
 
-class FimPosition:
+class FimPosition(Enum):
     """Position of fim middle token."""
 
     MIDDLE = auto()
@@ -57,15 +58,21 @@ completion_templates: dict[str, CompletionTemplate] = {}
 def register_completion_template(template: CompletionTemplate, override: bool = False):
     """Register a new completion template."""
     if not override:
-        assert (
-            template.name not in completion_templates
-        ), f"{template.name} has been registered."
+        assert template.name not in completion_templates, (
+            f"{template.name} has been registered."
+        )
 
     completion_templates[template.name] = template
 
 
 def completion_template_exists(template_name: str) -> bool:
     return template_name in completion_templates
+
+
+def set_completion_template(template_name: str) -> None:
+    global completion_template_name
+    if completion_template_name is None:
+        completion_template_name = template_name
 
 
 def is_completion_template_defined() -> bool:

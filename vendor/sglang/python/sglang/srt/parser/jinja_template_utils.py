@@ -9,9 +9,11 @@ import logging
 import jinja2
 import transformers.utils.chat_template_utils as hf_chat_utils
 
-from sglang.srt.utils import ImageData
+from sglang.srt.utils import GLM_MEDIA_CONFIG_KEYS, ImageData, VideoData
 
 logger = logging.getLogger(__name__)
+
+MEDIA_URL_PART_TYPES = ("image_url", "input_image", "video_url", "audio_url")
 
 # ============================================================================
 # JINJA TEMPLATE CONTENT FORMAT DETECTION
@@ -120,6 +122,96 @@ def detect_jinja_template_content_format(chat_template: str) -> str:
         return "string"
 
 
+def jinja_template_may_reorder_tool_results(chat_template: str) -> bool:
+    """Detect templates that associate tool results with tool_calls by tool_call_id.
+
+    Such templates may emit media placeholders in tool_calls order rather than
+    request message order. Templates that sort/group by the tool_call_id string
+    value are intentionally excluded: their order cannot be reproduced from
+    message order alone.
+
+    This is an over-approximation: templates that merely print or validate
+    tool_call_id while rendering in message order (e.g. Mistral) also match.
+    That is safe because canonicalization keeps extraction and rendering
+    consistent for those templates too; it only reorders prompts the client
+    had already sent out of tool_calls order.
+    """
+    if not isinstance(chat_template, str):
+        return False
+
+    jinja_ast = _try_extract_ast(chat_template)
+    if jinja_ast is None:
+        return False
+
+    def is_tool_call_id(node: jinja2.nodes.Node) -> bool:
+        return isinstance(node, jinja2.nodes.Const) and node.value == "tool_call_id"
+
+    if any(
+        node.attr == "tool_call_id" for node in jinja_ast.find_all(jinja2.nodes.Getattr)
+    ):
+        return True
+
+    if any(
+        is_tool_call_id(node.arg) for node in jinja_ast.find_all(jinja2.nodes.Getitem)
+    ):
+        return True
+
+    for call in jinja_ast.find_all(jinja2.nodes.Call):
+        if (
+            isinstance(call.node, jinja2.nodes.Getattr)
+            and call.node.attr == "get"
+            and call.args
+            and is_tool_call_id(call.args[0])
+        ):
+            return True
+
+    attribute_filters = {"map", "rejectattr", "selectattr"}
+    for filter_node in jinja_ast.find_all(jinja2.nodes.Filter):
+        if filter_node.name not in attribute_filters:
+            continue
+        if filter_node.args and is_tool_call_id(filter_node.args[0]):
+            return True
+        if any(
+            keyword.key == "attribute" and is_tool_call_id(keyword.value)
+            for keyword in filter_node.kwargs
+        ):
+            return True
+
+    return False
+
+
+def jinja_template_reads_reasoning_content(chat_template: str) -> bool:
+    if not isinstance(chat_template, str):
+        return False
+
+    jinja_ast = _try_extract_ast(chat_template)
+    if jinja_ast is None:
+        return False
+
+    def is_reasoning_content(node: jinja2.nodes.Node) -> bool:
+        return (
+            isinstance(node, jinja2.nodes.Const) and node.value == "reasoning_content"
+        )
+
+    return (
+        any(
+            node.attr == "reasoning_content"
+            for node in jinja_ast.find_all(jinja2.nodes.Getattr)
+        )
+        or any(
+            is_reasoning_content(node.arg)
+            for node in jinja_ast.find_all(jinja2.nodes.Getitem)
+        )
+        or any(
+            isinstance(call.node, jinja2.nodes.Getattr)
+            and call.node.attr == "get"
+            and call.args
+            and is_reasoning_content(call.args[0])
+            for call in jinja_ast.find_all(jinja2.nodes.Call)
+        )
+    )
+
+
 def process_content_for_template_format(
     msg_dict: dict,
     content_format: str,
@@ -157,15 +249,19 @@ def process_content_for_template_format(
             if isinstance(chunk, dict):
                 chunk_type = chunk.get("type")
 
-                if chunk_type == "image_url":
+                if chunk_type in ("image_url", "input_image"):
                     image_obj = chunk.get("image_url") or {}
+                    if isinstance(image_obj, str):
+                        image_obj = {"url": image_obj, "detail": chunk.get("detail")}
                     mdp = image_obj.get("max_dynamic_patch", None)
                     # Also allow flat style: chunk["max_dynamic_patch"]
                     image_data.append(
                         ImageData(
                             url=image_obj["url"],
-                            detail=image_obj.get("detail", "auto"),
+                            detail=image_obj.get("detail") or "auto",
                             max_dynamic_patch=mdp,
+                            content_hash=image_obj.get("content_hash"),
+                            max_long_side_pixel=image_obj.get("max_long_side_pixel"),
                         )
                     )
 
@@ -176,15 +272,25 @@ def process_content_for_template_format(
                 elif chunk_type == "video_url":
                     video_obj = chunk.get("video_url") or {}
                     mdp = video_obj.get("max_dynamic_patch", None)
-                    if mdp is None:
+                    preprocess_kwargs = {
+                        key: video_obj[key]
+                        for key in GLM_MEDIA_CONFIG_KEYS
+                        if video_obj.get(key) is not None
+                    }
+                    if mdp is not None:
+                        preprocess_kwargs["max_dynamic_patch"] = mdp
+                    max_long_side_pixel = video_obj.get("max_long_side_pixel")
+                    if not preprocess_kwargs and max_long_side_pixel is None:
                         video_data.append(chunk["video_url"]["url"])
                     else:
-                        # Keep structured info for backend, but template only sees {"type":"video"}
+                        # VideoData survives load_video on every processor; a
+                        # plain dict only the GLM consumer understands.
                         video_data.append(
-                            {
-                                "url": video_obj["url"],
-                                "max_dynamic_patch": mdp,
-                            }
+                            VideoData(
+                                url=video_obj["url"],
+                                preprocess_kwargs=preprocess_kwargs or None,
+                                max_long_side_pixel=max_long_side_pixel,
+                            )
                         )
                     if chunk.get("modalities"):
                         modalities.append(chunk.get("modalities"))
@@ -194,13 +300,18 @@ def process_content_for_template_format(
                     audio_data.append(chunk["audio_url"]["url"])
                     # Normalize to simple 'audio' type
                     processed_content_parts.append({"type": "audio"})
-                elif chunk_type == "text":
+                elif chunk_type in ("text", "input_text"):
                     # For v32 encoding, collect text parts separately
                     if use_dpsk_v32_encoding:
                         text_parts.append(chunk["text"])
                     else:
                         # Keep text content as-is for openai format
-                        processed_content_parts.append(chunk)
+                        processed_content_parts.append(
+                            {"type": "text", "text": chunk["text"]}
+                        )
+                elif chunk_type == "tool_reference":
+                    # Preserve this extension because GLM templates resolve referenced tool schemas by function name.
+                    processed_content_parts.append(chunk)
 
         new_msg = {
             k: v for k, v in msg_dict.items() if v is not None and k != "content"
@@ -215,7 +326,7 @@ def process_content_for_template_format(
         # String format: flatten to text only (for templates like DeepSeek)
         text_parts = []
         for chunk in msg_dict["content"]:
-            if isinstance(chunk, dict) and chunk.get("type") == "text":
+            if isinstance(chunk, dict) and chunk.get("type") in ("text", "input_text"):
                 text_parts.append(chunk["text"])
             # Note: For string format, we ignore images/audio since the template
             # doesn't expect structured content - multimodal placeholders would

@@ -1,5 +1,6 @@
 import json
 from abc import ABC, abstractmethod
+from array import array
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
@@ -29,7 +30,11 @@ class CustomLogitProcessor(ABC):
         logits: torch.Tensor,
         custom_param_list: Optional[List[Dict[str, Any]]] = None,
     ) -> torch.Tensor:
-        """Define the callable behavior."""
+        """Define the callable behavior.
+
+        The returned tensor must have the same shape as `logits`: the caller
+        writes it back row for row and does not broadcast a reduced result.
+        """
         raise NotImplementedError
 
     @classmethod
@@ -50,11 +55,32 @@ class DisallowedTokensLogitsProcessor(CustomLogitProcessor):
         custom_param_list: Optional[List[Dict[str, Any]]] = None,
     ) -> torch.Tensor:
         disallowed_token_ids = custom_param_list[0]["token_ids"]
-        assert all(
-            disallowed_token_ids == c["token_ids"] for c in custom_param_list
-        ), f"{custom_param_list=}"
+        assert all(disallowed_token_ids == c["token_ids"] for c in custom_param_list), (
+            f"{custom_param_list=}"
+        )
         logits[..., disallowed_token_ids] = -float("inf")
         return logits
+
+
+def supports_sampling_mask(serialized_processor: str) -> bool:
+    """Hard exclusion preserves the relative logits needed for mask-based replay."""
+    try:
+        return isinstance(
+            CustomLogitProcessor.from_str(serialized_processor),
+            DisallowedTokensLogitsProcessor,
+        )
+    except Exception:
+        return False
+
+
+def _open_thinking_start(ids: list[int], start_id: int, end_id: int) -> int:
+    """Return the index of the start token of the currently open thinking block, or -1."""
+    for idx in reversed(range(len(ids))):
+        if ids[idx] == start_id:
+            return idx
+        if ids[idx] == end_id:
+            return -1
+    return -1
 
 
 class ThinkingBudgetLogitProcessor(CustomLogitProcessor):
@@ -84,14 +110,11 @@ class ThinkingBudgetLogitProcessor(CustomLogitProcessor):
             cur_ids: list[int] = [*req.origin_input_ids, *req.output_ids]
 
             # Check if out of thinking stage
-            if (
-                self.THINKING_START_TOKEN_ID not in cur_ids
-                or self.THINKING_END_TOKEN_ID in cur_ids
-            ):
+            start_index = _open_thinking_start(
+                cur_ids, self.THINKING_START_TOKEN_ID, self.THINKING_END_TOKEN_ID
+            )
+            if start_index < 0:
                 continue
-
-            # Find the index of the thinking start token
-            start_index = cur_ids.index(self.THINKING_START_TOKEN_ID)
 
             # Count the number of tokens after the thinking start token
             num_tokens_after_start = len(cur_ids) - start_index - 1
@@ -136,6 +159,14 @@ class DeepSeekR1ThinkingBudgetLogitProcessor(ThinkingBudgetLogitProcessor):
     NEW_LINE_TOKEN_ID: int = 201
 
 
+class InklingThinkingBudgetLogitProcessor(ThinkingBudgetLogitProcessor):
+    """A logit processor that controls the length of thinking for Inkling models."""
+
+    THINKING_START_TOKEN_ID: int = 200008
+    THINKING_END_TOKEN_ID: int = 200010
+    NEW_LINE_TOKEN_ID: int = 198
+
+
 # Adapted from DeepSeek's implementation: https://github.com/deepseek-ai/DeepSeek-OCR/blob/main/DeepSeek-OCR-master/DeepSeek-OCR-vllm/process/ngram_norepeat.py
 class DeepseekOCRNoRepeatNGramLogitProcessor(CustomLogitProcessor):
     """Block n-gram repetitions within a sliding window for DeepSeek-OCR outputs."""
@@ -165,7 +196,7 @@ class DeepseekOCRNoRepeatNGramLogitProcessor(CustomLogitProcessor):
             if ngram_size <= 0 or window_size <= 0:
                 continue
 
-            sequence: List[int] = req.origin_input_ids + req.output_ids
+            sequence = req.origin_input_ids + req.output_ids
             if len(sequence) < ngram_size:
                 continue
 
@@ -175,14 +206,14 @@ class DeepseekOCRNoRepeatNGramLogitProcessor(CustomLogitProcessor):
                 continue
 
             if ngram_size > 1:
-                current_prefix = tuple(sequence[-(ngram_size - 1) :])
+                current_prefix = sequence[-(ngram_size - 1) :]
             else:
-                current_prefix = tuple()
+                current_prefix = array("q")
 
             banned_tokens: Set[int] = set()
             for idx in range(search_start, search_end):
                 ngram = sequence[idx : idx + ngram_size]
-                if ngram_size == 1 or tuple(ngram[:-1]) == current_prefix:
+                if ngram_size == 1 or ngram[:-1] == current_prefix:
                     banned_tokens.add(ngram[-1])
 
             whitelist_ids = params.get("whitelist_token_ids") or []

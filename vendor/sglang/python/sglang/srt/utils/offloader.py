@@ -12,7 +12,11 @@ from sglang.srt.distributed.naive_distributed import (
     set_naive_distributed,
 )
 from sglang.srt.layers.parameter import ModelWeightParameter
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.runtime_context import (
+    get_exec,
+    get_parallel,
+    get_stream,
+)
 from sglang.srt.utils import MultiprocessingSerializer, is_pin_memory_available
 from sglang.srt.utils.host_shared_memory import (
     HostSharedMemoryManager,
@@ -61,24 +65,67 @@ def set_offloader(instance: BaseOffloader):
     _instance = instance
 
 
-def create_offloader_from_server_args(server_args: ServerArgs, dp_rank: int):
-    if server_args.cpu_offload_gb > 0:
+def create_offloader():
+    if get_exec().offload.cpu_offload_gb > 0:
         return OffloaderV1(
-            cpu_offload_max_bytes=int(server_args.cpu_offload_gb * 1024**3)
+            cpu_offload_max_bytes=int(get_exec().offload.cpu_offload_gb * 1024**3)
         )
-    if server_args.offload_group_size > 0:
-        assert (
-            server_args.cpu_offload_gb == 0
-        ), "V2 offload does not support cpu_offload_gb yet"
+    if get_exec().offload.offload_group_size > 0:
+        assert get_exec().offload.cpu_offload_gb == 0, (
+            "V2 offload does not support cpu_offload_gb yet"
+        )
         return OffloaderV2(
-            group_size=server_args.offload_group_size,
-            num_in_group=server_args.offload_num_in_group,
-            prefetch_step=server_args.offload_prefetch_step,
-            mode=server_args.offload_mode,
-            dp_rank=dp_rank,
-            dp_size=server_args.dp_size,
+            group_size=get_exec().offload.offload_group_size,
+            num_in_group=get_exec().offload.offload_num_in_group,
+            prefetch_step=get_exec().offload.offload_prefetch_step,
+            mode=get_exec().offload.offload_mode,
         )
     return NoopOffloader()
+
+
+def _get_offloaded_device_state(module: torch.nn.Module, device: torch.device):
+    transferred = {}
+    device_state = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        key = id(value)
+        if key not in transferred:
+            transferred[key] = value.detach().to(device, non_blocking=True)
+        device_state[name] = transferred[key]
+    return device_state
+
+
+def _get_resident_parameter_ids(module: torch.nn.Module):
+    # functional_call only replaces registered parameters and buffers, so cached
+    # tensors held as ordinary attributes need their backing weights to stay put.
+    resident = set()
+    cached_storages = set()
+    for owner in module.modules():
+        for value in vars(owner).values():
+            if (
+                isinstance(value, torch.Tensor)
+                and not isinstance(value, torch.nn.Parameter)
+                and not value.is_meta
+                and value.numel() > 0
+            ):
+                cached_storages.add((value.device, value.untyped_storage().data_ptr()))
+        # MLA post_load_weights derives w_kc/w_vc from kv_b_proj weights on
+        # their current device. These attributes already exist before loading.
+        projection = getattr(owner, "kv_b_proj", None)
+        if (
+            isinstance(projection, torch.nn.Module)
+            and hasattr(owner, "w_kc")
+            and hasattr(owner, "w_vc")
+        ):
+            resident.update(id(parameter) for parameter in projection.parameters())
+    for parameter in module.parameters():
+        if (
+            not parameter.is_meta
+            and parameter.numel() > 0
+            and (parameter.device, parameter.untyped_storage().data_ptr())
+            in cached_storages
+        ):
+            resident.add(id(parameter))
+    return resident
 
 
 class OffloaderV1(BaseOffloader):
@@ -110,7 +157,10 @@ class OffloaderV1(BaseOffloader):
         # offload parameters to CPU
         # use pin_memory if possible, which helps cudagraph capture speed
         offloaded_parameters = False
+        resident_parameter_ids = _get_resident_parameter_ids(module)
         for p in module.parameters():
+            if id(p) in resident_parameter_ids:
+                continue
             if self._cpu_offload_bytes >= self._cpu_offload_max_bytes:
                 # we use per-parameter offloading
                 # one module might have some parameters offloaded and some not
@@ -135,12 +185,7 @@ class OffloaderV1(BaseOffloader):
 
             def forward(*args, **kwargs):
                 module.forward = original_forward
-                device_state = {
-                    # here we blindly call `to(device)`
-                    # if the parameter is already on the device, it will be a no-op
-                    k: v.to(device, non_blocking=True)
-                    for k, v in module.state_dict().items()
-                }
+                device_state = _get_offloaded_device_state(module, device)
                 output = functional_call(module, device_state, args=args, kwargs=kwargs)
                 module.forward = forward
                 return output
@@ -157,9 +202,9 @@ class OffloaderV2(BaseOffloader):
         num_in_group: int,
         prefetch_step: int,
         mode: str,
-        dp_rank: int,
-        dp_size: int,
     ):
+        parallel = get_parallel()
+        dp_rank, num_dp_ranks = parallel.dp_rank, parallel.num_dp_ranks
         self.group_size = group_size
         self.num_in_group = num_in_group
         self.prefetch_step = prefetch_step
@@ -169,15 +214,11 @@ class OffloaderV2(BaseOffloader):
 
         # Temporarily init inside Offloader, can move if other modules also need this
         if self.mode in {"sharded_gpu", "shm_cpu"}:
-            from sglang.srt.distributed import get_tensor_model_parallel_world_size
-
-            assert (
-                get_tensor_model_parallel_world_size() == 1
-            ), "not yet support tp_size!=1"
+            assert get_parallel().tp_size == 1, "not yet support tp_size!=1"
             set_naive_distributed(
                 NaiveDistributed(
                     rank=dp_rank,
-                    world_size=dp_size,
+                    world_size=num_dp_ranks,
                     rendezvous=f"/tmp/{run_id}",
                 )
             )
@@ -198,7 +239,10 @@ class OffloaderV2(BaseOffloader):
     ):
         assert len(self.offloaders) == 0, "should only call wrap_modules once"
 
-        alt_stream = torch.cuda.Stream()
+        # The offloader's async prefetch/offload copies run on their own
+        # stream — sharing the models' "alt" overlap stream would serialize
+        # unrelated copy and compute work.
+        alt_stream = get_stream("offload")
 
         all_modules = []
         offload_submodules = []
@@ -217,6 +261,7 @@ class OffloaderV2(BaseOffloader):
                         module=submodule,
                         alt_stream=alt_stream,
                         whitelist_param_names=whitelist_param_names,
+                        resident_parameter_ids=_get_resident_parameter_ids(module),
                     )
                 )
 
@@ -278,27 +323,29 @@ class _ModuleOffloader(ABC):
         module: torch.nn.Module,
         alt_stream: torch.cuda.Stream,
         whitelist_param_names: List[str],
+        resident_parameter_ids: set[int],
     ):
         self.mode = mode
         self.module = module
         self.device = next(module.parameters()).device
         self.alt_stream = alt_stream
 
-        assert self.device != torch.device(
-            "cpu"
-        ), "not handled device=cpu case yet (should skip this tensor)"
+        assert self.device != torch.device("cpu"), (
+            "not handled device=cpu case yet (should skip this tensor)"
+        )
 
         self._device_tensors = None
         self._load_event = None
 
         param_dict = dict(self.module.named_parameters())
-        assert all(
-            name in param_dict for name in whitelist_param_names
-        ), f"{whitelist_param_names=} {list(param_dict.keys())=}"
+        assert all(name in param_dict for name in whitelist_param_names), (
+            f"{whitelist_param_names=} {list(param_dict.keys())=}"
+        )
 
         self._param_offloaders = {
             name: _BaseParamOffloader.create(mode, module=module, param_name=name)
             for name in whitelist_param_names
+            if id(param_dict[name]) not in resident_parameter_ids
         }
 
     def post_init(self):
@@ -306,6 +353,10 @@ class _ModuleOffloader(ABC):
             param_offloader.post_init()
 
     def start_onload(self):
+        if torch.cuda.is_current_stream_capturing():
+            self._device_tensors = self._create_device_tensors()
+            self._load_event = None
+            return
         self.alt_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.alt_stream):
             self._device_tensors = self._create_device_tensors()
@@ -318,7 +369,13 @@ class _ModuleOffloader(ABC):
 
     def wait_and_get_device_tensors(self):
         assert self._device_tensors is not None
-        self._load_event.wait()
+        if torch.cuda.is_current_stream_capturing():
+            if self._load_event is not None:
+                self._device_tensors = self._create_device_tensors()
+                self._load_event = None
+            return self._device_tensors
+        if self._load_event is not None:
+            self._load_event.wait()
         return self._device_tensors
 
     def _create_device_tensors(self):
@@ -376,12 +433,10 @@ class _ShmCpuParamOffloader(_BaseParamOffloader):
         self._rank = get_naive_distributed().get_rank()
         self._world_size = get_naive_distributed().get_world_size()
 
-        from sglang.srt.distributed import get_tensor_model_parallel_world_size
-
-        assert get_tensor_model_parallel_world_size() == 1, "not yet support tp_size!=1"
-        assert (
-            self._param.data.is_contiguous()
-        ), f"not yet support non-contiguous tensor {self._param.shape=} {self._param.stride()=}"
+        assert get_parallel().tp_size == 1, "not yet support tp_size!=1"
+        assert self._param.data.is_contiguous(), (
+            f"not yet support non-contiguous tensor {self._param.shape=} {self._param.stride()=}"
+        )
 
         self.shm_cpu_data = get_host_shared_memory_manager().malloc(
             shape=self._param.shape, dtype=self._param.dtype
@@ -396,9 +451,9 @@ class _ShmCpuParamOffloader(_BaseParamOffloader):
 
     def post_init(self):
         if self._rank == 0:
-            assert (
-                self.shm_cpu_data.data_ptr() == self._param.data.data_ptr()
-            ), f"{self.shm_cpu_data.data_ptr()=} {self._param.data.data_ptr()=} {self.shm_cpu_data=} {self._param.data=}"
+            assert self.shm_cpu_data.data_ptr() == self._param.data.data_ptr(), (
+                f"{self.shm_cpu_data.data_ptr()=} {self._param.data.data_ptr()=} {self.shm_cpu_data=} {self._param.data=}"
+            )
 
         _move_param_to_meta(self._module, self._param_name)
 
@@ -412,9 +467,9 @@ def update_param(param, new_tensor):
     if param.device == new_tensor.device:
         param.data = new_tensor
     else:
-        assert param.device == torch.device(
-            "cpu"
-        ), f"{param.device=} {new_tensor.device=}"
+        assert param.device == torch.device("cpu"), (
+            f"{param.device=} {new_tensor.device=}"
+        )
         param.data = _create_cpu_data(new_tensor, pin_memory=True)
 
 
@@ -452,6 +507,10 @@ def _move_param_to_meta(module, param_name):
             data=new_data,
             requires_grad=False,
         )
+        if hasattr(old_param, "weight_loader"):
+            new_param.weight_loader = old_param.weight_loader
+        else:
+            new_param.weight_loader = lambda *args, **kwargs: None
     else:
         raise ValueError(f"Unknown {old_param_type=} {old_param=}")
 
@@ -479,12 +538,10 @@ class _ShardedGpuParamOffloader(_BaseParamOffloader):
         self._rank = get_naive_distributed().get_rank()
         self._world_size = get_naive_distributed().get_world_size()
 
-        from sglang.srt.distributed import get_tensor_model_parallel_world_size
-
-        assert get_tensor_model_parallel_world_size() == 1, "not yet support tp_size!=1"
-        assert (
-            self._param.data.is_contiguous()
-        ), f"not yet support non-contiguous tensor {self._param.shape=} {self._param.stride()=}"
+        assert get_parallel().tp_size == 1, "not yet support tp_size!=1"
+        assert self._param.data.is_contiguous(), (
+            f"not yet support non-contiguous tensor {self._param.shape=} {self._param.stride()=}"
+        )
 
         if self._rank == 0:
             _move_param_to_cpu(self._param, pin_memory=True)
@@ -495,9 +552,9 @@ class _ShardedGpuParamOffloader(_BaseParamOffloader):
 
     def post_init(self):
         # check again since it may be changed
-        assert (
-            self._param.data.is_contiguous()
-        ), f"not yet support non-contiguous tensor {self._param.shape=} {self._param.stride()=}"
+        assert self._param.data.is_contiguous(), (
+            f"not yet support non-contiguous tensor {self._param.shape=} {self._param.stride()=}"
+        )
 
         scatter_src = self._param.data
 

@@ -8,10 +8,18 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import ProfileReqOutput
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.server_args import get_global_server_args
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.step_span_utils import (
+    build_detailed_annotation_suffix,
+    detailed_annotations_enabled,
+    set_detailed_annotations_enabled,
+)
+from sglang.srt.platforms import current_platform
+from sglang.srt.runtime_context import get_device, get_parallel
 from sglang.srt.utils import is_npu
+from sglang.srt.utils.torch_npu_patch_utils import apply_torch_npu_patches
 
 _is_npu = is_npu()
 if _is_npu:
@@ -22,22 +30,57 @@ if _is_npu:
         ["profiler.ProfilerActivity.CUDA", torch_npu.profiler.ProfilerActivity.NPU],
         ["profiler.ProfilerActivity.CPU", torch_npu.profiler.ProfilerActivity.CPU],
     ]
-    torch_npu._apply_patches(patches)
+    apply_torch_npu_patches(torch_npu, patches)
 
 logger = logging.getLogger(__name__)
 
+# Single source of truth for the CUDA-graph capture trace output directory,
+# shared by both the original single-trace export and the per-batch-size
+# (SGLANG_GRAPH_BATCH_CAPTURE) traces so they land in the same place.
+GRAPH_CAPTURE_PROFILE_DIRNAME = "graph_capture_profile"
+
+
+def graph_capture_profile_dir() -> str:
+    """``<SGLANG_TORCH_PROFILER_DIR>/graph_capture_profile`` — the one directory
+    both capture-trace modes write to. Change the location here only."""
+    return os.path.join(
+        envs.SGLANG_TORCH_PROFILER_DIR.get(), GRAPH_CAPTURE_PROFILE_DIRNAME
+    )
+
+
+def export_cuda_graph_capture_trace(prof_context, *, runner_name: str):
+    """Persist a CUDA-graph capture profiler trace (chrome trace) to disk.
+
+    Opt-in via ``SGLANG_ENABLE_CUDA_GRAPH_CAPTURE_TRACE`` (no-op otherwise). The
+    capture profiler must have run with ``record_shapes=True`` so the trace can
+    be inspected offline as a per-kernel shape/identity record. The file lands in
+    ``graph_capture_profile_dir()`` and is namespaced by runner class and TP rank
+    so concurrent capture passes (e.g. EAGLE3 target/draft/draft-extend) and
+    ranks don't overwrite each other.
+    """
+    if not envs.SGLANG_ENABLE_CUDA_GRAPH_CAPTURE_TRACE.get():
+        return
+    tp_rank = get_parallel().tp_rank
+    output_dir = graph_capture_profile_dir()
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.join(
+        output_dir, f"cuda_graph_capture-{runner_name}-TP-{tp_rank}.json.gz"
+    )
+    prof_context.export_chrome_trace(path)
+    logger.info(f"CUDA graph capture trace saved to: {path}")
+
 
 class ProfileManager:
-    def __init__(self, tp_rank: int, cpu_group, gpu_id: int):
+    def __init__(self, cpu_group):
         self.stage_based_trigger = _StageBasedTrigger(
             on_start=self._do_start,
             on_stop=self._do_stop,
         )
-        self.tp_rank = tp_rank
         self.cpu_group = cpu_group
-        self.first_rank_in_node = gpu_id == get_global_server_args().base_gpu_id
+        self.first_rank_in_node = get_device().gpu_id == get_device().base_gpu_id
         self.profiler_kwargs = None
         self.profiler = None
+        self.detailed_annotations = False
 
     def step(self, forward_mode: ForwardMode):
         stage = _get_stage_from_forward_mode(forward_mode)
@@ -60,12 +103,14 @@ class ProfileManager:
         merge_profiles: bool,
         profile_prefix: str,
         profile_stages: Optional[List[str]] = None,
+        detailed_annotations: bool = False,
     ):
+        self.detailed_annotations = detailed_annotations
         # not supported yet
         assert start_step is None
-        assert (
-            profile_by_stage
-        ), "only support profile_by_stage=true now"  # `false` can be easily supported
+        assert profile_by_stage, (
+            "only support profile_by_stage=true now"
+        )  # `false` can be easily supported
         assert not merge_profiles
 
         if output_dir is None:
@@ -103,9 +148,11 @@ class ProfileManager:
         )
 
         assert self.profiler is None
+        # Fold the per-phase c_/g_ aggregates into the step span while this
+        # stage's profile is active (v2 auto-start path; reset in _do_stop).
+        set_detailed_annotations_enabled(self.detailed_annotations)
         self.profiler = _ProfilerBase.create(
             **self.profiler_kwargs,
-            tp_rank=self.tp_rank,
             cpu_group=self.cpu_group,
             first_rank_in_node=self.first_rank_in_node,
             output_suffix=f"-{stage}" if stage else "",
@@ -119,6 +166,10 @@ class ProfileManager:
             f"Profiling done. Traces are saved to: {self.profiler_kwargs['output_dir']}"
         )
         self.profiler = None
+        # Clear the detailed step-span toggle here too: the v2 trigger auto-stop
+        # goes through _do_stop (not SchedulerProfilerManager._stop_profile), so
+        # this guarantees the flag resets on every stop path.
+        set_detailed_annotations_enabled(False)
 
 
 def _get_stage_from_forward_mode(forward_mode: ForwardMode):
@@ -195,6 +246,16 @@ class _ProfilerBase(ABC):
     @staticmethod
     def create(activities, with_stack, record_shapes, **kwargs):
         inners = []
+        if current_platform.is_out_of_tree():
+            if current_platform.get_torch_profiler_activity_str() in activities:
+                inners.append(
+                    _ProfilerTorch(
+                        **kwargs,
+                        activities=activities,
+                        with_stack=with_stack,
+                        record_shapes=record_shapes,
+                    )
+                )
         if ("CPU" in activities) or ("GPU" in activities):
             inners.append(
                 _ProfilerTorch(
@@ -240,7 +301,6 @@ class _ProfilerConcreteBase(_ProfilerBase):
         output_prefix: str,
         output_suffix: str,
         profile_id: str,
-        tp_rank: int,
         cpu_group,
         first_rank_in_node: bool,
     ):
@@ -248,7 +308,6 @@ class _ProfilerConcreteBase(_ProfilerBase):
         self.output_prefix = output_prefix
         self.output_suffix = output_suffix
         self.profile_id = profile_id
-        self.tp_rank = tp_rank
         self.cpu_group = cpu_group
         self.first_rank_in_node = first_rank_in_node
 
@@ -265,6 +324,12 @@ class _ProfilerTorch(_ProfilerConcreteBase):
             "CPU": torch.profiler.ProfilerActivity.CPU,
             "GPU": torch.profiler.ProfilerActivity.CUDA,
         }
+
+        if current_platform.is_out_of_tree():
+            activity_map[current_platform.get_torch_profiler_activity_str()] = (
+                current_platform.get_torch_profiler_activity()
+            )
+
         torchprof_activities = [
             activity_map[a] for a in self.activities if a in activity_map
         ]
@@ -289,15 +354,15 @@ class _ProfilerTorch(_ProfilerConcreteBase):
         self.torch_profiler.stop()
         if not _is_npu:
             # Build filename with only non-zero ranks to maintain backward compatibility
-            filename_parts = [self.profile_id, f"TP-{self.tp_rank}"]
+            filename_parts = [self.profile_id, f"TP-{get_parallel().tp_rank}"]
 
             # Only add other ranks if parallelism is enabled (size > 1)
-            if getattr(self, "dp_size", 1) > 1:
-                filename_parts.append(f"DP-{getattr(self, 'dp_rank', 0)}")
-            if getattr(self, "pp_size", 1) > 1:
-                filename_parts.append(f"PP-{getattr(self, 'pp_rank', 0)}")
-            if getattr(self, "moe_ep_size", 1) > 1:
-                filename_parts.append(f"EP-{getattr(self, 'moe_ep_rank', 0)}")
+            if get_parallel().num_dp_ranks > 1:
+                filename_parts.append(f"DP-{get_parallel().dp_rank}")
+            if get_parallel().pp_size > 1:
+                filename_parts.append(f"PP-{get_parallel().pp_rank}")
+            if get_parallel().moe_ep_size > 1:
+                filename_parts.append(f"EP-{get_parallel().moe_ep_rank}")
 
             filename = (
                 (self.output_prefix + "-" if self.output_prefix else "")
@@ -316,15 +381,18 @@ class _ProfilerTorch(_ProfilerConcreteBase):
 
 class _ProfilerMemory(_ProfilerConcreteBase):
     def start(self):
-        torch.cuda.memory._record_memory_history(max_entries=100000)
+        torch.cuda.memory._record_memory_history(
+            max_entries=envs.SGLANG_MEM_PROFILE_MAX_ENTRIES.get()
+        )
 
     def stop(self):
         Path(self.output_dir).mkdir(parents=True, exist_ok=True)
 
         memory_profile_path = os.path.join(
             self.output_dir,
-            str(time.time())
-            + f"-TP-{self.tp_rank}-memory"
+            (self.output_prefix + "-" if self.output_prefix else "")
+            + str(time.time())
+            + f"-TP-{get_parallel().tp_rank}-memory"
             + self.output_suffix
             + ".pickle",
         )
@@ -354,10 +422,13 @@ class _ProfilerRPD(_ProfilerConcreteBase):
 
         self.rpd_profile_path = os.path.join(
             self.output_dir,
-            "rpd-" + str(time.time()) + f"-TP-{self.tp_rank}" + ".trace.json.gz",
+            "rpd-"
+            + str(time.time())
+            + f"-TP-{get_parallel().tp_rank}"
+            + ".trace.json.gz",
         )
 
-        if self.tp_rank == 0:
+        if get_parallel().tp_rank == 0:
             import sqlite3
 
             from rocpd.schema import RocpdSchema
@@ -382,7 +453,53 @@ class _ProfilerRPD(_ProfilerConcreteBase):
         self.rpd_profiler.flush()
 
         torch.distributed.barrier(self.cpu_group)
-        if self.tp_rank == 0:
+        if get_parallel().tp_rank == 0:
             from sglang.srt.utils.rpd_utils import rpd_to_chrome_trace
 
             rpd_to_chrome_trace("trace.rpd", self.rpd_profile_path)
+
+
+def build_step_span_name(
+    forward_batch: ForwardBatch,
+    detailed_annotations: bool | None = None,
+    *,
+    is_draft_worker: bool = False,
+    forward_id: int | None = None,
+) -> str:
+    """Build the profile-trace span name for one forward step.
+
+    Detailed annotations are folded into the label (via
+    build_detailed_annotation_suffix) when enabled. detailed_annotations
+    defaults to the process-wide toggle (detailed_annotations_enabled, set
+    by the profiler manager); pass an explicit bool to override (e.g. in tests).
+
+    The target-verify step is labeled ``VERIFY``; every step a draft model
+    runner emits is labeled ``DRAFT`` (some draft paths borrow the TARGET_VERIFY
+    mode, so the mode name alone cannot tell the two models apart).
+    When detailed annotations are enabled, ``forward_id`` binds the span to
+    the expert-distribution recorder's forward ID for this model runner.
+    """
+    if detailed_annotations is None:
+        detailed_annotations = detailed_annotations_enabled()
+
+    mode = forward_batch.forward_mode
+    bs = forward_batch.batch_size
+    if is_draft_worker:
+        stage = "DRAFT"
+    elif mode == ForwardMode.TARGET_VERIFY:
+        stage = "VERIFY"
+    else:
+        stage = mode.name
+    if mode == ForwardMode.EXTEND:
+        ext_toks = forward_batch.extend_num_tokens or 0
+        base = f"step[{stage} bs={bs} toks={ext_toks}"
+    else:
+        base = f"step[{stage} bs={bs}"
+
+    if detailed_annotations:
+        suffix = build_detailed_annotation_suffix(forward_batch)
+        if suffix:
+            base = f"{base} {suffix}"
+        if forward_id is not None:
+            base = f"{base} forward_id={forward_id}"
+    return f"{base}]"

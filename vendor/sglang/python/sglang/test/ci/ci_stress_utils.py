@@ -67,7 +67,7 @@ class StressTestRunner:
         command = [
             "python3",
             "-m",
-            "sglang.bench_serving",
+            "sglang.benchmark.serving",
             "--backend",
             "sglang-oai",
             "--base-url",
@@ -149,12 +149,12 @@ class StressTestRunner:
         Returns:
             True if successful, False otherwise
         """
-        print(f"\n{'='*60}")
+        print(f"\n{'=' * 60}")
         print(f"Starting stress test for: {model_path}")
         print(f"Input length: {random_input_len}")
         print(f"Output length: {random_output_len}")
         print(f"Num prompts: {self.num_prompts}")
-        print(f"{'='*60}\n")
+        print(f"{'=' * 60}\n")
 
         # Launch server
         process = popen_launch_server(

@@ -3,7 +3,7 @@ import json
 import requests
 
 
-class TestEBNFConstrainedMixin:
+class EBNFConstrainedMixin:
     ebnf_grammar = 'root ::= "test"'  # Default grammar
 
     def _run_decode_ebnf(

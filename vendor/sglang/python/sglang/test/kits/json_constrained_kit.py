@@ -5,7 +5,7 @@ import openai
 import requests
 
 
-class TestJSONConstrainedMixin:
+class JSONConstrainedMixin:
     json_schema = json.dumps(
         {
             "type": "object",

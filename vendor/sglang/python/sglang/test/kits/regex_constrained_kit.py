@@ -3,7 +3,7 @@ import json
 import requests
 
 
-class TestRegexConstrainedMixin:
+class RegexConstrainedMixin:
     def _run_decode_regex(
         self,
         regex,

@@ -2,12 +2,12 @@ import logging
 import os
 import time
 
-from sglang.srt.utils import kill_process_tree
 from sglang.test.test_utils import (
     DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
     DEFAULT_URL_FOR_TEST,
     CustomTestCase,
     popen_launch_server,
+    terminate_and_kill_process_tree,
 )
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,8 @@ class MMMUServerBase(CustomTestCase):
     This fixture handles server lifecycle for single-model MMMU tests.
     For multi-model tests that need to start/stop servers within test methods,
     use MMMUMultiModelTestBase instead.
+    Set server_api_key = None to launch without auth when sharing the server
+    with mixins whose clients do not send API keys.
     """
 
     model = None
@@ -29,6 +31,7 @@ class MMMUServerBase(CustomTestCase):
     timeout = DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH
     other_args: list[str] = []
     mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
+    server_api_key = "sk-123456"
 
     @classmethod
     def setUpClass(cls):
@@ -41,7 +44,7 @@ class MMMUServerBase(CustomTestCase):
         # Build server args with MMMU-specific settings
         server_args = [
             "--trust-remote-code",
-            "--cuda-graph-max-bs",
+            "--cuda-graph-max-bs-decode",
             "64",
             "--enable-multimodal",
             "--mem-fraction-static",
@@ -53,7 +56,7 @@ class MMMUServerBase(CustomTestCase):
             cls.model,
             cls.base_url,
             timeout=cls.timeout,
-            api_key=cls.api_key,
+            api_key=cls.server_api_key,
             other_args=server_args,
             env=process_env,
         )
@@ -62,7 +65,7 @@ class MMMUServerBase(CustomTestCase):
     def tearDownClass(cls):
         if cls.process is not None and cls.process.poll() is None:
             try:
-                kill_process_tree(cls.process.pid)
+                terminate_and_kill_process_tree(cls.process, wait_timeout=60)
             except Exception as e:
                 logger.error(f"Error killing process: {e}")
         time.sleep(2)

@@ -1,6 +1,9 @@
-import argparse
 import os
 
+from sglang.multimodal_gen.apps.webui.minimax_h3 import (
+    is_minimax_h3,
+    run_minimax_h3_webui,
+)
 from sglang.multimodal_gen.configs.sample.sampling_params import (
     DataType,
     SamplingParams,
@@ -17,14 +20,10 @@ from sglang.srt.environ import envs
 logger = init_logger(__name__)
 
 
-def add_webui_args(parser: argparse.ArgumentParser):
-    """Add the arguments for the generate command."""
-    parser = ServerArgs.add_cli_args(parser)
-    parser = SamplingParams.add_cli_args(parser)
-    return parser
-
-
 def run_sgl_diffusion_webui(server_args: ServerArgs):
+    if is_minimax_h3(server_args):
+        return run_minimax_h3_webui(server_args)
+
     # import gradio in function to avoid CI crash
 
     import gradio as gr
@@ -50,29 +49,41 @@ def run_sgl_diffusion_webui(server_args: ServerArgs):
         validate_repo_id(candidate)  # let it raise if invalid
         return candidate
 
-    repo_id = resolve_model_repo_id(server_args.model_path)
-    if envs.SGLANG_USE_MODELSCOPE.get():
-        from modelscope.hub.api import HubApi
+    # Prefer the hub pipeline tag for Hub models; fall back to the loaded pipeline's
+    # own task_type for local checkpoints (e.g. a single .safetensors path), which
+    # have no hub repo to query.
+    task_name = None
+    try:
+        repo_id = resolve_model_repo_id(server_args.model_path)
+        if envs.SGLANG_USE_MODELSCOPE.get():
+            from modelscope.hub.api import HubApi
 
-        api = HubApi()
-        model_info_obj = api.model_info(repo_id)
-        task_name = model_info_obj.tasks[0]["Name"].replace("-synthesis", "")
-    else:
-        from huggingface_hub import model_info
+            api = HubApi()
+            model_info_obj = api.model_info(repo_id)
+            task_name = model_info_obj.tasks[0]["Name"].replace("-synthesis", "")
+        else:
+            from huggingface_hub import model_info
 
-        task_name = model_info(repo_id).pipeline_tag
+            task_name = model_info(repo_id).pipeline_tag
+    except Exception as e:
+        logger.info(
+            "Could not resolve task from the model hub (%s); using the loaded "
+            "pipeline's task_type.",
+            e,
+        )
 
     # init client
     sync_scheduler_client.initialize(server_args)
 
     if task_name in ("text-to-video", "image-to-video", "video-to-video"):
         task_type = "video"
-    elif task_name in ["text-to-image", "image-to-image"]:
+    elif task_name in ("text-to-image", "image-to-image"):
         task_type = "image"
     else:
-        raise ValueError(
-            f"The task name {task_name} of model {server_args.model_path} is not a valid task name. Please check the model path."
+        task_type = (
+            "image" if server_args.pipeline_config.task_type.is_image_gen() else "video"
         )
+        task_name = task_name or server_args.pipeline_config.task_type.name
     video_visible_only = task_type == "video"
     image_visible_only = task_type == "image"
 
@@ -117,6 +128,7 @@ def run_sgl_diffusion_webui(server_args: ServerArgs):
             guidance_scale=guidance_scale,
             num_inference_steps=num_inference_steps,
             enable_teacache=enable_teacache,
+            return_file_paths_only=False,
         )
         sampling_params = SamplingParams.from_user_sampling_params_args(
             server_args.model_path,
@@ -161,8 +173,8 @@ def run_sgl_diffusion_webui(server_args: ServerArgs):
     with gr.Blocks() as demo:
         gr.Markdown("# 🚀 SGLang Diffusion Application")
         with gr.Row():
-            launched_model_box = gr.Textbox(label="Model", value=server_args.model_path)
-            task_name_box = gr.Textbox(label="Task name", value=task_name)
+            gr.Textbox(label="Model", value=server_args.model_path)
+            gr.Textbox(label="Task name", value=task_name)
 
         with gr.Row():
             with gr.Column(scale=4):

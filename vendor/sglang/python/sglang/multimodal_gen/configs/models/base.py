@@ -9,14 +9,21 @@ from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 logger = init_logger(__name__)
 
 
-# 1. ArchConfig contains all fields from diffuser's/transformer's config.json (i.e. all fields related to the architecture of the model)
-# 2. ArchConfig should be inherited & overridden by each model arch_config
-# 3. Any field in ArchConfig is fixed upon initialization, and should be hidden away from users
 @dataclass
 class ArchConfig:
+    """Static model metadata loaded from a Diffusers/Transformers config.
+
+    This includes architecture fields and checkpoint compatibility mappings.
+    Runtime capabilities, backend selection, hardware policies, and deployment
+    settings belong to the runtime model or server configuration instead.
+    """
+
     stacked_params_mapping: list[tuple[str, str, str]] = field(
         default_factory=list
     )  # mapping from huggingface weight names to custom names
+    param_names_mapping: dict[str, str | tuple[str, int, int]] = field(
+        default_factory=dict
+    )
     extra_attrs: Dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, name: str):
@@ -42,12 +49,15 @@ class ArchConfig:
 
 @dataclass
 class ModelConfig:
-    # Every model config parameter can be categorized into either ArchConfig or everything else
-    # Diffuser/Transformer parameters
+    # Static component metadata; this is intentionally separate from runtime
+    # capabilities and deployment settings.
     arch_config: ArchConfig = field(default_factory=ArchConfig)
 
     # sglang-diffusion-specific parameters here
     # i.e. STA, quantization, teacache
+
+    def post_diffusers_config_update(self) -> None:
+        """Normalize external configuration before constructing the runtime model."""
 
     def __getattr__(self, name):
         # Only called if 'name' is not found in ModelConfig directly
@@ -69,26 +79,19 @@ class ModelConfig:
 
     # This should be used only when loading from transformers/diffusers
     def update_model_arch(self, source_model_dict: dict[str, Any]) -> None:
-        """
-        Update arch_config with source_model_dict
-        """
+        """Load static architecture metadata from a source model config."""
         arch_config = self.arch_config
-        valid_fields = {f.name for f in fields(arch_config)}
 
         for key, value in source_model_dict.items():
             setattr(arch_config, key, value)
-            # else:
-            #     raise AttributeError(
-            #         f"{type(arch_config).__name__} has no field '{key}'"
-            #     )
 
         if hasattr(arch_config, "__post_init__"):
             arch_config.__post_init__()
 
     def update_model_config(self, source_model_dict: dict[str, Any]) -> None:
-        assert (
-            "arch_config" not in source_model_dict
-        ), "Source model config shouldn't contain arch_config."
+        assert "arch_config" not in source_model_dict, (
+            "Source model config shouldn't contain arch_config."
+        )
 
         valid_fields = {f.name for f in fields(self)}
 

@@ -36,6 +36,19 @@ class Flux2FinetunedPipelineConfig(Flux2PipelineConfig):
     - 5D latents support for both single-frame and multi-frame generation
     """
 
+    def preprocess_vae_encode(self, image: torch.Tensor, vae) -> torch.Tensor:
+        if image.ndim == 5 and image.shape[2] == 1 and not self._check_vae_has_bn(vae):
+            return image.squeeze(2)
+        return image
+
+    def postprocess_vae_encode(self, image_latents: torch.Tensor, vae) -> torch.Tensor:
+        if (
+            not self._check_vae_has_bn(vae)
+            and image_latents.shape[1] == self.dit_config.arch_config.in_channels
+        ):
+            return image_latents
+        return super().postprocess_vae_encode(image_latents, vae)
+
     def preprocess_decoding(
         self, latents: torch.Tensor, server_args=None, vae=None
     ) -> torch.Tensor:

@@ -1,8 +1,7 @@
 import dataclasses
 from dataclasses import field
-from typing import Callable
+from typing import Callable, Optional
 
-import numpy as np
 import torch
 
 from sglang.multimodal_gen.configs.models.dits.ltx_2 import LTX2Config
@@ -12,16 +11,26 @@ from sglang.multimodal_gen.configs.models.encoders import (
 )
 from sglang.multimodal_gen.configs.models.encoders.gemma_3 import Gemma3Config
 from sglang.multimodal_gen.configs.models.vaes.ltx_audio import LTXAudioVAEConfig
+from sglang.multimodal_gen.configs.models.vaes.ltx_video import (
+    LTXVideoVAEConfig,
+    get_ltx_video_decode_scale_and_shift,
+)
 from sglang.multimodal_gen.configs.pipeline_configs.base import (
     ModelTaskType,
     PipelineConfig,
-    preprocess_text,
+)
+from sglang.multimodal_gen.configs.pipeline_configs.model_deployment_config import (
+    ModelDeploymentConfig,
 )
 from sglang.multimodal_gen.runtime.distributed import (
     get_sp_parallel_rank,
     get_sp_world_size,
-    sequence_model_parallel_all_gather,
 )
+
+# Distilled 3-step stage-2 sigma schedule. Single source of truth shared by
+# LTX2TwoStagePipeline and the SANA-WM refiner stages (matches NVlabs
+# `inference_sana_wm.py` / the LTX-2 distilled refiner).
+STAGE_2_DISTILLED_SIGMA_VALUES: tuple[float, ...] = (0.909375, 0.725, 0.421875, 0.0)
 
 
 def pack_text_embeds(
@@ -94,17 +103,68 @@ def pack_text_embeds(
     return normalized_hidden_states
 
 
+def pack_text_embeds_v2(
+    text_hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """
+    LTX-2.3 feature extractor pre-processing.
+
+    Upstream `FeatureExtractorV2` applies per-token RMS normalization on each
+    Gemma layer and then flattens `[hidden_dim, num_layers]` into the channel
+    dimension, zeroing out padded positions afterwards.
+    """
+
+    variance = torch.mean(text_hidden_states**2, dim=2, keepdim=True)
+    normalized_hidden_states = text_hidden_states * torch.rsqrt(variance + eps)
+    normalized_hidden_states = normalized_hidden_states.flatten(2)
+    mask = attention_mask.bool().unsqueeze(-1)
+    return torch.where(
+        mask, normalized_hidden_states, torch.zeros_like(normalized_hidden_states)
+    )
+
+
+def is_ltx23_native_variant(arch_config: object) -> bool:
+    return str(getattr(arch_config, "ltx_variant", "ltx_2")) == "ltx_2_3"
+
+
+def sync_ltx23_runtime_vae_markers(
+    arch_config: object,
+    loaded_vae_config: object | None,
+) -> None:
+    if loaded_vae_config is None:
+        return
+    source = getattr(loaded_vae_config, "arch_config", loaded_vae_config)
+    for key in (
+        "ltx_variant",
+        "condition_encoder_subdir",
+        "video_encoder_variant",
+        "video_encoder_config",
+        "video_decoder_variant",
+        "video_decoder_config",
+    ):
+        value = getattr(source, key, None)
+        if value is not None:
+            setattr(arch_config, key, value)
+
+
 def _gemma_postprocess_func(
-    outputs: BaseEncoderOutput, text_inputs: dict
+    outputs: BaseEncoderOutput,
+    text_inputs: dict,
+    pipeline_config: Optional["LTX2PipelineConfig"] = None,
 ) -> torch.Tensor:
     # LTX-2 requires all hidden states concatenated for the connector
     if hasattr(outputs, "hidden_states") and outputs.hidden_states is not None:
-        # outputs.hidden_states is a tuple of tensors
-        # We need to stack them along the last dimension and pack them
         hidden_states = torch.stack(outputs.hidden_states, dim=-1)
         attention_mask = text_inputs["attention_mask"]
+        if (
+            pipeline_config is not None
+            and pipeline_config.dit_config.arch_config.caption_proj_before_connector
+        ):
+            return pack_text_embeds_v2(hidden_states, attention_mask)
+
         sequence_lengths = attention_mask.sum(dim=-1)
-        # Assuming left padding for Gemma as per Diffusers
         return pack_text_embeds(hidden_states, sequence_lengths, padding_side="left")
     else:
         raise AttributeError(
@@ -116,8 +176,14 @@ def _gemma_postprocess_func(
 class LTX2PipelineConfig(PipelineConfig):
     """Configuration for LTX-Video pipeline."""
 
-    task_type: ModelTaskType = ModelTaskType.T2V
+    task_type: ModelTaskType = ModelTaskType.TI2V
+    skip_input_image_preprocess: bool = True
+    generator_device: str = "cpu"
     dit_config: LTX2Config = field(default_factory=LTX2Config)
+
+    # Distilled checkpoints are trained against one fixed sigma schedule rather
+    # than a step count. When set, it replaces the derived schedule.
+    default_sigmas: tuple[float, ...] | None = None
 
     # Model architecture
     in_channels: int = 128
@@ -126,18 +192,32 @@ class LTX2PipelineConfig(PipelineConfig):
     patch_size_t: int = 1
 
     # Audio VAE configuration
+    vae_config: LTXVideoVAEConfig = field(default_factory=LTXVideoVAEConfig)
+    vae_precision: str = "bf16"
     audio_vae_config: LTXAudioVAEConfig = field(default_factory=LTXAudioVAEConfig)
-    audio_vae_precision: str = "fp32"
-    audio_vae_temporal_compression_ratio: int = 4
-    audio_vae_mel_compression_ratio: int = 4
+    audio_vae_precision: str = "bf16"
 
     @property
     def vae_scale_factor(self):
-        return getattr(self.vae_config.arch_config, "spatial_compression_ratio", 32)
+        return self.vae_config.arch_config.spatial_compression_ratio
 
     @property
     def vae_temporal_compression(self):
-        return getattr(self.vae_config.arch_config, "temporal_compression_ratio", 8)
+        return self.vae_config.arch_config.temporal_compression_ratio
+
+    def get_model_deployment_config(self) -> ModelDeploymentConfig:
+        return ModelDeploymentConfig(
+            keep_resident_min_available_gb=70,
+            keep_resident_components=("dit",),
+            auto_cfg_parallel_degree_by_num_gpus=((4, 1), (8, 1)),
+            bcg_default_pipeline_class_names=("LTX2TwoStagePipeline",),
+        )
+
+    def prepare_latent_shape(self, batch, batch_size, num_frames):
+        """Return unpacked latent shape [B, C, F, H, W]."""
+        height = batch.height // self.vae_scale_factor
+        width = batch.width // self.vae_scale_factor
+        return (batch_size, self.in_channels, num_frames, height, width)
 
     def prepare_audio_latent_shape(self, batch, batch_size, num_frames):
         # Adapted from diffusers pipeline prepare_audio_latents
@@ -145,7 +225,9 @@ class LTX2PipelineConfig(PipelineConfig):
 
         sample_rate = self.audio_vae_config.arch_config.sample_rate
         hop_length = self.audio_vae_config.arch_config.mel_hop_length
-        temporal_compression = self.audio_vae_temporal_compression_ratio
+        temporal_compression = (
+            self.audio_vae_config.arch_config.temporal_compression_ratio
+        )
 
         latents_per_second = (
             float(sample_rate) / float(hop_length) / float(temporal_compression)
@@ -153,15 +235,13 @@ class LTX2PipelineConfig(PipelineConfig):
         latent_length = round(duration_s * latents_per_second)
 
         num_mel_bins = self.audio_vae_config.arch_config.mel_bins
-        mel_compression_ratio = self.audio_vae_mel_compression_ratio
+        mel_compression_ratio = self.audio_vae_config.arch_config.mel_compression_ratio
         latent_mel_bins = num_mel_bins // mel_compression_ratio
 
         # Default to 8
         num_channels_latents = self.audio_vae_config.arch_config.latent_channels
 
-        shape = (batch_size, num_channels_latents, latent_length, latent_mel_bins)
-
-        return shape
+        return (batch_size, num_channels_latents, latent_length, latent_mel_bins)
 
     # Text encoding stage (Gemma)
     # LTX-2 needs separate contexts for video/audio streams. We model this as
@@ -172,8 +252,8 @@ class LTX2PipelineConfig(PipelineConfig):
     text_encoder_precisions: tuple[str, ...] = field(default_factory=lambda: ("bf16",))
     text_encoder_extra_args: list[dict] = field(default_factory=lambda: [{}])
 
-    preprocess_text_funcs: tuple[Callable[[str], str], ...] = field(
-        default_factory=lambda: (preprocess_text,)
+    preprocess_text_funcs: tuple[Callable[[str], str] | None, ...] = field(
+        default_factory=lambda: (None,)
     )
     postprocess_text_funcs: tuple[
         Callable[[BaseEncoderOutput, dict], torch.Tensor], ...
@@ -184,12 +264,15 @@ class LTX2PipelineConfig(PipelineConfig):
             steps = int(num_inference_steps)
             if steps <= 0:
                 raise ValueError(f"num_inference_steps must be positive, got {steps}")
-            return np.linspace(1.0, 1.0 / float(steps), steps).tolist()
+            return [1.0 - i / steps for i in range(steps)]
         return sigmas
 
     def tokenize_prompt(self, prompt: list[str], tokenizer, tok_kwargs) -> dict:
         # Adapted from diffusers_pipeline.py _get_gemma_prompt_embeds
         # But we only need tokenization here, the embedding happens in TextEncodingStage
+        # Official LTX Gemma tokenizer trims surrounding whitespace before
+        # tokenization.
+        prompt = [text.strip() for text in prompt]
 
         # Gemma expects left padding for chat-style prompts
         tokenizer.padding_side = "left"
@@ -205,11 +288,16 @@ class LTX2PipelineConfig(PipelineConfig):
             padding="max_length",
             max_length=max_sequence_length,
             truncation=True,
+            add_special_tokens=True,
             return_tensors="pt",
         )
         return text_inputs
 
     def maybe_pack_latents(self, latents, batch_size, batch):
+        # If already packed (3D shape [B, seq, C]), skip packing
+        if latents.dim() == 3:
+            return latents
+
         # Unpacked latents of shape are [B, C, F, H, W] are patched into tokens of shape [B, C, F // p_t, p_t, H // p, p, W // p, p].
         # The patch dimensions are then permuted and collapsed into the channel dimension of shape:
         # [B, F // p_t * H // p * W // p, C * p_t * p * p] (an ndim=3 tensor).
@@ -229,6 +317,9 @@ class LTX2PipelineConfig(PipelineConfig):
             self.patch_size,
         )
         latents = latents.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
+        # Deliberately left non-contiguous: both flattens are views, so this
+        # keeps the permuted strides. Normalising here would change which GEMM
+        # kernel runs and move bf16 output. The fp8 path makes its own copy.
         return latents
 
     def _infer_video_latent_frames_and_tokens_per_frame(
@@ -303,9 +394,11 @@ class LTX2PipelineConfig(PipelineConfig):
         latent_frames, tokens_per_frame = (
             self._infer_video_latent_frames_and_tokens_per_frame(batch, seq_len)
         )
+        orig_latent_frames = int(latent_frames)
 
         # Pad whole frames so `latent_frames` is divisible by `sp_world_size`.
         pad_frames = (sp_world_size - (latent_frames % sp_world_size)) % sp_world_size
+        batch.sp_video_has_padding = pad_frames > 0
         if pad_frames:
             pad_tokens = int(pad_frames) * int(tokens_per_frame)
             pad = torch.zeros(
@@ -318,6 +411,9 @@ class LTX2PipelineConfig(PipelineConfig):
 
         local_frames = int(latent_frames) // int(sp_world_size)
         start_frame = int(sp_rank) * int(local_frames)
+        valid_local_frames = max(
+            min(int(orig_latent_frames) - int(start_frame), int(local_frames)), 0
+        )
         start = int(start_frame) * int(tokens_per_frame)
         end = int(start) + int(local_frames) * int(tokens_per_frame)
         latents = latents[:, start:end, :]
@@ -326,18 +422,127 @@ class LTX2PipelineConfig(PipelineConfig):
         batch.sp_video_latent_num_frames = int(local_frames)
         batch.sp_video_start_frame = int(start_frame)
         batch.sp_video_tokens_per_frame = int(tokens_per_frame)
+        batch.sp_video_valid_token_count = int(valid_local_frames) * int(
+            tokens_per_frame
+        )
 
         return latents, True
 
-    def gather_latents_for_sp(self, latents):
+    def gather_latents_for_sp(self, latents, batch=None):
         """Gather latents after SP. For packed token latents [B, S_local, D], gather on dim=1."""
         if get_sp_world_size() <= 1:
             return latents
         if isinstance(latents, torch.Tensor) and latents.ndim == 3:
-            return sequence_model_parallel_all_gather(latents.contiguous(), dim=1)
-        return super().gather_latents_for_sp(latents)
+            return self._gather_sp_tensor(latents, dim=1)
+        return super().gather_latents_for_sp(latents, batch=batch)
+
+    def shard_audio_latents_for_sp(self, batch, audio_latents):
+        sp_world_size = get_sp_world_size()
+        if sp_world_size <= 1:
+            return audio_latents, False
+        if not (isinstance(audio_latents, torch.Tensor) and audio_latents.ndim == 3):
+            return audio_latents, False
+
+        sp_rank = get_sp_parallel_rank()
+        seq_len = int(audio_latents.shape[1])
+        batch.sp_audio_orig_num_frames = int(seq_len)
+
+        pad_frames = (sp_world_size - (seq_len % sp_world_size)) % sp_world_size
+        batch.sp_audio_has_padding = pad_frames > 0
+        if pad_frames:
+            pad = torch.zeros(
+                (audio_latents.shape[0], pad_frames, audio_latents.shape[2]),
+                device=audio_latents.device,
+                dtype=audio_latents.dtype,
+            )
+            audio_latents = torch.cat([audio_latents, pad], dim=1)
+            seq_len += int(pad_frames)
+
+        local_frames = seq_len // sp_world_size
+        start_frame = sp_rank * local_frames
+        end_frame = start_frame + local_frames
+        valid_local_frames = max(
+            min(
+                int(batch.sp_audio_orig_num_frames) - int(start_frame),
+                int(local_frames),
+            ),
+            0,
+        )
+        audio_latents = audio_latents[:, start_frame:end_frame, :]
+
+        batch.sp_audio_latent_num_frames = int(local_frames)
+        batch.sp_audio_start_frame = int(start_frame)
+        batch.sp_audio_valid_token_count = int(valid_local_frames)
+        return audio_latents, True
+
+    def can_shard_audio_latents_for_sp(self, audio_latents) -> bool:
+        return (
+            get_sp_world_size() > 1
+            and isinstance(audio_latents, torch.Tensor)
+            and audio_latents.ndim == 3
+        )
+
+    def gather_audio_latents_for_sp(self, audio_latents, batch):
+        """Gather packed audio latents after SP and trim any pad-only tail tokens."""
+        if get_sp_world_size() <= 1:
+            return audio_latents
+        if not (isinstance(audio_latents, torch.Tensor) and audio_latents.ndim == 3):
+            return audio_latents
+
+        audio_latents = self._gather_sp_tensor(
+            audio_latents,
+            dim=1,
+        )
+        return self._trim_sp_gather_padding(
+            audio_latents,
+            orig_len=getattr(batch, "sp_audio_orig_num_frames", None),
+            dim=1,
+        )
+
+    def prepare_video_rope_coords_for_sp(
+        self,
+        model,
+        batch,
+        latent_model_input,
+        *,
+        num_frames,
+        height,
+        width,
+    ):
+        if not batch.did_sp_shard_latents:
+            return None
+        return model.rope.prepare_video_coords(
+            batch_size=int(latent_model_input.shape[0]),
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            device=latent_model_input.device,
+            fps=batch.fps,
+            start_frame=int(batch.sp_video_start_frame),
+        )
+
+    def prepare_audio_rope_coords_for_sp(
+        self,
+        model,
+        batch,
+        audio_latent_model_input,
+        *,
+        num_frames,
+    ):
+        if not batch.did_sp_shard_audio_latents:
+            return None
+        return model.audio_rope.prepare_audio_coords(
+            batch_size=int(audio_latent_model_input.shape[0]),
+            num_frames=num_frames,
+            device=audio_latent_model_input.device,
+            start_frame=int(batch.sp_audio_start_frame),
+        )
 
     def maybe_pack_audio_latents(self, latents, batch_size, batch):
+        # If already packed (3D shape [B, T, C*F]), skip packing
+        if latents.dim() == 3:
+            return latents
+
         # Audio latents shape: [B, C, L, M], where L is the latent audio length and M is the number of mel bins
         # We need to pack them if patch_size/patch_size_t are defined for audio (not standard DiT patch size)
 
@@ -363,36 +568,9 @@ class LTX2PipelineConfig(PipelineConfig):
         )
 
     def get_decode_scale_and_shift(self, device, dtype, vae):
-        latents_mean = getattr(vae, "latents_mean", None)
-        latents_std = getattr(vae, "latents_std", None)
-
-        scaling_factor = (
-            getattr(getattr(vae, "config", None), "scaling_factor", None)
-            or getattr(vae, "scaling_factor", None)
-            or getattr(self.vae_config.arch_config, "scaling_factor", None)
-            or 1.0
+        return get_ltx_video_decode_scale_and_shift(
+            device, dtype, vae, self.vae_config.arch_config
         )
-        if isinstance(scaling_factor, (int, float)) and float(scaling_factor) == 0.0:
-            scaling_factor = 1.0
-
-        if isinstance(latents_mean, torch.Tensor) and isinstance(
-            latents_std, torch.Tensor
-        ):
-            latents_mean = latents_mean.to(device=device, dtype=dtype).view(
-                1, -1, 1, 1, 1
-            )
-            latents_std = latents_std.to(device=device, dtype=dtype).view(
-                1, -1, 1, 1, 1
-            )
-            sf = torch.tensor(float(scaling_factor), device=device, dtype=dtype).view(
-                1, 1, 1, 1, 1
-            )
-            return sf / latents_std, latents_mean
-
-        sf = torch.tensor(float(scaling_factor), device=device, dtype=dtype).view(
-            1, 1, 1, 1, 1
-        )
-        return sf, None
 
     @staticmethod
     def _unpack_latents(
@@ -424,29 +602,6 @@ class LTX2PipelineConfig(PipelineConfig):
             .flatten(2, 3)
         )
         return latents
-
-    @staticmethod
-    def _denormalize_latents(
-        latents: torch.Tensor,
-        latents_mean: torch.Tensor,
-        latents_std: torch.Tensor,
-        scaling_factor: float = 1.0,
-    ) -> torch.Tensor:
-        # Denormalize latents across the channel dimension [B, C, F, H, W]
-        latents_mean = latents_mean.view(1, -1, 1, 1, 1).to(
-            latents.device, latents.dtype
-        )
-        latents_std = latents_std.view(1, -1, 1, 1, 1).to(latents.device, latents.dtype)
-        latents = latents * latents_std / scaling_factor + latents_mean
-        return latents
-
-    @staticmethod
-    def _denormalize_audio_latents(
-        latents: torch.Tensor, latents_mean: torch.Tensor, latents_std: torch.Tensor
-    ):
-        latents_mean = latents_mean.to(latents.device, latents.dtype)
-        latents_std = latents_std.to(latents.device, latents.dtype)
-        return (latents * latents_std) + latents_mean
 
     @staticmethod
     def _unpack_audio_latents(
@@ -500,7 +655,9 @@ class LTX2PipelineConfig(PipelineConfig):
 
         sample_rate = self.audio_vae_config.arch_config.sample_rate
         hop_length = self.audio_vae_config.arch_config.mel_hop_length
-        temporal_compression = self.audio_vae_temporal_compression_ratio
+        temporal_compression = (
+            self.audio_vae_config.arch_config.temporal_compression_ratio
+        )
         duration_s = num_frames / batch.fps
 
         latents_per_second = (
@@ -509,42 +666,8 @@ class LTX2PipelineConfig(PipelineConfig):
         audio_num_frames = round(duration_s * latents_per_second)
 
         num_mel_bins = self.audio_vae_config.arch_config.mel_bins
-        mel_compression_ratio = self.audio_vae_mel_compression_ratio
+        mel_compression_ratio = self.audio_vae_config.arch_config.mel_compression_ratio
         latent_mel_bins = num_mel_bins // mel_compression_ratio
-
-        audio_latents_mean = getattr(audio_vae, "latents_mean", None)
-        audio_latents_std = getattr(audio_vae, "latents_std", None)
-        if (
-            isinstance(audio_latents_mean, torch.Tensor)
-            and isinstance(audio_latents_std, torch.Tensor)
-            and audio_latents_mean.numel() == audio_latents_std.numel()
-        ):
-            audio_latents_mean = audio_latents_mean.to(
-                device=audio_latents.device, dtype=audio_latents.dtype
-            )
-            audio_latents_std = audio_latents_std.to(
-                device=audio_latents.device, dtype=audio_latents.dtype
-            )
-            if audio_latents.ndim == 3:
-                if audio_latents.shape[-1] != audio_latents_mean.numel():
-                    raise ValueError(
-                        f"audio_latents last dim {audio_latents.shape[-1]} "
-                        f"does not match audio_vae stats {audio_latents_mean.numel()}"
-                    )
-                audio_latents = audio_latents * audio_latents_std.view(
-                    1, 1, -1
-                ) + audio_latents_mean.view(1, 1, -1)
-            elif audio_latents.ndim == 2:
-                if audio_latents.shape[-1] != audio_latents_mean.numel():
-                    raise ValueError(
-                        f"audio_latents last dim {audio_latents.shape[-1]} "
-                        f"does not match audio_vae stats {audio_latents_mean.numel()}"
-                    )
-                audio_latents = audio_latents * audio_latents_std.view(
-                    1, -1
-                ) + audio_latents_mean.view(1, -1)
-            else:
-                audio_latents = audio_latents * audio_latents_std + audio_latents_mean
 
         audio_latents = self._unpack_audio_latents(
             audio_latents, audio_num_frames, num_mel_bins=latent_mel_bins
@@ -554,5 +677,42 @@ class LTX2PipelineConfig(PipelineConfig):
 
 
 @dataclasses.dataclass
-class LTX2I2VPipelineConfig(LTX2PipelineConfig):
-    task_type: ModelTaskType = ModelTaskType.TI2V
+class LTX23PipelineConfig(LTX2PipelineConfig):
+    """Configuration overrides for LTX-2.3."""
+
+    # original-mode lora swaps invalidate post-warmup timing calibration
+    supports_auto_residency: bool = False
+
+
+def register():
+    from sglang.multimodal_gen.configs.sample.ltx_2 import (
+        LTX2SamplingParams,
+        LTX23HQSamplingParams,
+        LTX23SamplingParams,
+    )
+    from sglang.multimodal_gen.registry import register_configs
+
+    register_configs(
+        sampling_param_cls=LTX2SamplingParams,
+        pipeline_config_cls=LTX2PipelineConfig,
+        hf_model_paths=["Lightricks/LTX-2"],
+        model_detectors=[
+            lambda path: "ltx" in path.lower() and "video" in path.lower(),
+            lambda path: (
+                "ltx-2" in path.lower()
+                and "ltx-2.3" not in path.lower()
+                and "ltx-2.5" not in path.lower()
+            ),
+        ],
+    )
+    register_configs(
+        sampling_param_cls=LTX23SamplingParams,
+        pipeline_config_cls=LTX23PipelineConfig,
+        hf_model_paths=["Lightricks/LTX-2.3"],
+        model_detectors=[
+            lambda path: "ltx-2.3" in path.lower(),
+        ],
+        pipeline_config_registry_entries={
+            "LTX2TwoStageHQPipeline": (LTX2PipelineConfig, LTX23HQSamplingParams),
+        },
+    )

@@ -17,9 +17,7 @@ class QwenImageSamplingParams(SamplingParams):
 
 @dataclass
 class QwenImage2512SamplingParams(QwenImageSamplingParams):
-    negative_prompt: str = (
-        "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
-    )
+    negative_prompt: str = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
 
 
 @dataclass
@@ -42,3 +40,7 @@ class QwenImageLayeredSamplingParams(QwenImageSamplingParams):
     num_inference_steps: int = 50
     cfg_normalize: bool = True
     use_en_prompt: bool = True
+
+    @property
+    def num_samples_per_request(self) -> int:
+        return self.num_frames

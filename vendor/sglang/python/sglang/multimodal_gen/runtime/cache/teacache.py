@@ -23,8 +23,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from sglang.multimodal_gen.configs.models import DiTConfig
-
 if TYPE_CHECKING:
     from sglang.multimodal_gen.configs.sample.teacache import TeaCacheParams
 
@@ -127,7 +125,7 @@ class TeaCacheMixin:
     # Models that support CFG cache separation (wan/hunyuan/zimage)
     # Models not in this set (flux/qwen) auto-disable TeaCache when CFG is enabled
     _CFG_SUPPORTED_PREFIXES: set[str] = {"wan", "hunyuan", "zimage"}
-    config: DiTConfig
+    prefix: str
 
     def _init_teacache_state(self) -> None:
         """Initialize TeaCache state. Call this in subclass __init__."""
@@ -135,9 +133,7 @@ class TeaCacheMixin:
         self.cnt = 0
         self.enable_teacache = True
         # Flag indicating if this model supports CFG cache separation
-        self._supports_cfg_cache = (
-            self.config.prefix.lower() in self._CFG_SUPPORTED_PREFIXES
-        )
+        self._supports_cfg_cache = self.prefix.lower() in self._CFG_SUPPORTED_PREFIXES
 
         # Always initialize positive cache fields (used in all modes)
         self.previous_modulated_input: torch.Tensor | None = None
@@ -267,6 +263,7 @@ class TeaCacheMixin:
         from sglang.multimodal_gen.runtime.managers.forward_context import (
             get_forward_context,
         )
+        from sglang.multimodal_gen.runtime.server_args import get_global_server_args
 
         forward_context = get_forward_context()
         forward_batch = forward_context.forward_batch
@@ -286,9 +283,11 @@ class TeaCacheMixin:
         num_inference_steps = forward_batch.num_inference_steps
         do_cfg = forward_batch.do_classifier_free_guidance
         is_cfg_negative = forward_batch.is_cfg_negative
+        is_cfg_parallel = bool(get_global_server_args().enable_cfg_parallel)
 
-        # Reset at first timestep
-        if current_timestep == 0 and not self.is_cfg_negative:
+        # Serial CFG resets once before the positive branch. CFG-parallel ranks
+        # each own a model instance and must reset their local state.
+        if current_timestep == 0 and (is_cfg_parallel or not is_cfg_negative):
             self.reset_teacache_state()
 
         return TeaCacheContext(
@@ -297,7 +296,7 @@ class TeaCacheMixin:
             do_cfg=do_cfg,
             is_cfg_negative=is_cfg_negative,
             teacache_thresh=teacache_params.teacache_thresh,
-            coefficients=teacache_params.coefficients,
+            coefficients=teacache_params.get_coefficients(),
             teacache_params=teacache_params,
         )
 

@@ -1,16 +1,19 @@
 # Copied and adapted from: https://github.com/hao-ai-lab/FastVideo
-from functools import lru_cache
 
-from sglang.multimodal_gen.configs.models.encoders import TextEncoderConfig
 from sglang.multimodal_gen.runtime.distributed.communication_op import *
 from sglang.multimodal_gen.runtime.distributed.group_coordinator import (
     get_local_torch_device,
 )
 from sglang.multimodal_gen.runtime.distributed.parallel_state import (
     cleanup_dist_env_and_memory,
+    get_decode_parallel_group_coordinator,
+    get_decode_parallel_rank,
+    get_decode_parallel_world_size,
     get_dp_group,
     get_dp_rank,
     get_dp_world_size,
+    get_encoder_data_parallel_group,
+    get_replica_group,
     get_sp_group,
     get_sp_parallel_rank,
     get_sp_world_size,
@@ -43,6 +46,8 @@ __all__ = [
     "get_world_size",
     # Data parallel group
     "get_dp_group",
+    "get_replica_group",
+    "get_encoder_data_parallel_group",
     "get_dp_rank",
     "get_dp_world_size",
     # Sequence parallel group
@@ -53,19 +58,10 @@ __all__ = [
     "get_tp_group",
     "get_tp_rank",
     "get_tp_world_size",
+    # Decode parallel group
+    "get_decode_parallel_group_coordinator",
+    "get_decode_parallel_rank",
+    "get_decode_parallel_world_size",
     # Get torch device
     "get_local_torch_device",
 ]
-
-
-def _get_folding_tp_group(
-    config: TextEncoderConfig,
-) -> torch.distributed.ProcessGroup | None:
-    if config.parallel_folding:
-        if config.parallel_folding_mode == "sp":
-            return get_sp_group()
-        elif config.parallel_folding_mode == "ulysses":
-            return get_sp_group().ulysses_group
-        elif config.parallel_folding_mode == "ring":
-            return get_sp_group().ring_group
-    return get_tp_group()

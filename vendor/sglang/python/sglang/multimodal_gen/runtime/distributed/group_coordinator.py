@@ -1,4 +1,8 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Copied and adapted from: https://github.com/hao-ai-lab/FastVideo
+
+import os
 
 # Copyright 2024 xDiT team.
 # Adapted from
@@ -6,37 +10,39 @@
 # Copyright 2023 The vLLM team.
 # Copyright (c) 2022, NVIDIA CORPORATION. All rights reserved.
 import pickle
+import weakref
 from collections import namedtuple
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from pkgutil import resolve_name
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed
-from torch.cuda import synchronize
 from torch.distributed import Backend, ProcessGroup
 
 from sglang.multimodal_gen.runtime.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
-from sglang.multimodal_gen.runtime.distributed.device_communicators.cpu_communicator import (
-    CpuCommunicator,
-)
+from sglang.multimodal_gen.runtime.distributed.utils import all_gather_single
 from sglang.multimodal_gen.runtime.platforms import current_platform
 from sglang.multimodal_gen.runtime.utils.logging_utils import (
     init_logger,
     suppress_stdout,
 )
-
-try:
-    import torch_musa  # noqa: F401
-    from torch_musa.core.device import synchronize
-except ModuleNotFoundError:
-    pass
+from sglang.srt.utils import is_shm_available
+from sglang.srt.utils.custom_op import register_custom_op
 
 logger = init_logger(__name__)
 
 TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
+
+# Diffusion image tokens make the output of a TP row-parallel projection much
+# larger than the token batches typically seen by the SRT custom all-reduce.
+# Qwen-Image at 1024x1024, for example, reduces 24 MiB tensors. Keep those on
+# the tuned CUDA kernel instead of falling back to NCCL at the default 16 MiB
+# workspace limit.
+_DIFFUSION_CUSTOM_AR_MAX_SIZE = 32 * 1024 * 1024
 
 
 _group_name_counter: dict[str, int] = {}
@@ -46,6 +52,16 @@ def get_local_torch_device() -> torch.device:
     """Return the torch device for the current rank."""
 
     return current_platform.get_local_torch_device()
+
+
+def _resolve_all_to_all_communicator_cls() -> type[DeviceCommunicatorBase]:
+    qualname = current_platform.get_all_to_all_communicator_cls()
+    communicator_cls = resolve_name(qualname)
+    if not isinstance(communicator_cls, type) or not issubclass(
+        communicator_cls, DeviceCommunicatorBase
+    ):
+        raise TypeError(f"Expected a DeviceCommunicatorBase subclass: {qualname}")
+    return communicator_cls
 
 
 def _get_unique_name(name: str) -> str:
@@ -59,6 +75,17 @@ def _get_unique_name(name: str) -> str:
     newname = f"{name}:{_group_name_counter[name]}"
     _group_name_counter[name] += 1
     return newname
+
+
+_groups: dict[str, Callable[[], "GroupCoordinator | None"]] = {}
+
+
+# Opaque to torch.compile: Dynamo cannot trace the custom all-reduce's
+# communicator, so calling it inline breaks the graph at every row-parallel
+# layer. srt routes its all-reduce the same way; ops take the group by name.
+@register_custom_op(out_shape="tensor")
+def diffusion_all_reduce(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _groups[group_name]()._all_reduce_out_of_place(tensor)
 
 
 def _split_tensor_dict(
@@ -76,8 +103,7 @@ def _split_tensor_dict(
     tensor_list = []
     for key, value in tensor_dict.items():
         assert "%" not in key, (
-            "Avoid having '%' in key "
-            "as it is used as a separator for nested entries."
+            "Avoid having '%' in key as it is used as a separator for nested entries."
         )
         if isinstance(value, torch.Tensor):
             # Note: we cannot use `value.device` here,
@@ -120,6 +146,18 @@ class GraphCaptureContext:
     stream: torch.cuda.Stream | None
 
 
+def new_device_group(ranks, backend=None):
+    """Create a process group for device collectives.
+
+    A single-rank group never runs one: every collective short-circuits on
+    world_size == 1. NCCL would still allocate its per-channel device buffers
+    for it, which costs ~390 MiB a group.
+    """
+    return torch.distributed.new_group(
+        ranks, backend="gloo" if len(ranks) == 1 else backend
+    )
+
+
 class GroupCoordinator:
     """
     PyTorch ProcessGroup wrapper for a group of processes.
@@ -146,8 +184,7 @@ class GroupCoordinator:
     rank_in_group: int  # rank inside the group
     cpu_group: ProcessGroup  # group for CPU communication
     device_group: ProcessGroup  # group for device communication
-    use_device_communicator: bool  # whether to use device communicator
-    device_communicator: DeviceCommunicatorBase  # device communicator
+    device_communicator: DeviceCommunicatorBase  # all_to_all_4D communicator
 
     def __init__(
         self,
@@ -155,19 +192,19 @@ class GroupCoordinator:
         local_rank: int,
         torch_distributed_backend: Union[str, Backend],
         use_device_communicator: bool = True,
+        use_srt_custom_allreduce: bool = False,
         use_message_queue_broadcaster: bool = False,
         group_name: str | None = None,
     ):
         self.unique_name = _get_unique_name(group_name)
+        _groups[self.unique_name] = weakref.ref(self)
         self.rank = torch.distributed.get_rank()
         self.local_rank = local_rank
         self.device_group = None
         self.cpu_group = None
 
         for ranks in group_ranks:
-            device_group = torch.distributed.new_group(
-                ranks, backend=torch_distributed_backend
-            )
+            device_group = new_device_group(ranks, torch_distributed_backend)
             # a group with `gloo` backend, to allow direct coordination between
             # processes through the CPU.
             with suppress_stdout():
@@ -184,37 +221,77 @@ class GroupCoordinator:
 
         # TODO: fix it for other platforms
         self.device = get_local_torch_device()
+        self.shm_handle = None
+        global_world_size = torch.distributed.get_world_size()
+        local_size = int(os.environ.get("LOCAL_SIZE", "0"))
+        self.is_single_node = local_size > 0 and global_world_size == local_size
+        if (
+            current_platform.is_cpu()
+            and self.is_single_node
+            and self.world_size > 1
+            and hasattr(torch.ops.sgl_kernel, "shm_group_initialize")
+            and self.unique_name.startswith(("tp", "sp"))
+        ):
+            group_ranks = "-".join(str(rank) for rank in self.ranks)
+            group_name = f"{self.unique_name}-{group_ranks}"
 
-        self.use_device_communicator = use_device_communicator
+            self.shm_handle = int(
+                torch.ops.sgl_kernel.shm_group_initialize(
+                    group_name,
+                    self.world_size,
+                    self.rank_in_group,
+                )
+            )
+            torch.distributed.barrier(group=self.cpu_group)
 
         self.device_communicator: DeviceCommunicatorBase = None  # type: ignore
         if use_device_communicator and self.world_size > 1:
-            # Platform-aware device communicator selection
-            if current_platform.is_cuda_alike():
-                from sglang.multimodal_gen.runtime.distributed.device_communicators.cuda_communicator import (
-                    CudaCommunicator,
-                )
-
-                self.device_communicator = CudaCommunicator(
-                    cpu_group=self.cpu_group,
-                    device=self.device,
-                    device_group=self.device_group,
-                    unique_name=self.unique_name,
-                )
-            else:
-                # For MPS and CPU, use the CPU communicator
-                self.device_communicator = CpuCommunicator(
-                    cpu_group=self.cpu_group,
-                    device=self.device,
-                    device_group=self.device_group,
-                    unique_name=self.unique_name,
-                )
+            communicator_cls = _resolve_all_to_all_communicator_cls()
+            self.device_communicator = communicator_cls(
+                cpu_group=self.cpu_group,
+                device=self.device,
+                device_group=self.device_group,
+                unique_name=self.unique_name,
+            )
 
         self.mq_broadcaster = None
+        self.srt_custom_allreduce = None
+        if (
+            use_srt_custom_allreduce
+            and current_platform.is_cuda_alike()
+            and self.world_size > 1
+        ):
+            # srt owns topology, dtype, contiguity, and size dispatch for custom ar
+            self._init_srt_custom_allreduce()
 
-        # TODO(will): check if this is needed
-        # self.use_custom_op_call = current_platform.is_cuda_alike()
-        self.use_custom_op_call = False
+    def _init_srt_custom_allreduce(self) -> None:
+        custom_allreduce_kwargs = {
+            "group": self.cpu_group,
+            "device": self.device,
+        }
+        if current_platform.is_cuda():
+            from sglang.srt.distributed.device_communicators.custom_all_reduce import (
+                dispatch_custom_allreduce,
+            )
+            from sglang.srt.distributed.device_communicators.custom_all_reduce_v2 import (
+                CustomAllReduceV2,
+            )
+
+            custom_allreduce_cls = dispatch_custom_allreduce(
+                group=self.cpu_group,
+                device=self.device,
+            )
+            if custom_allreduce_cls is CustomAllReduceV2:
+                custom_allreduce_kwargs["max_size"] = _DIFFUSION_CUSTOM_AR_MAX_SIZE
+        else:
+            # Preserve the existing ROCm and MUSA implementation selection.
+            from sglang.srt.distributed.device_communicators.custom_all_reduce import (
+                CustomAllreduce,
+            )
+
+            custom_allreduce_cls = CustomAllreduce
+
+        self.srt_custom_allreduce = custom_allreduce_cls(**custom_allreduce_kwargs)
 
     @property
     def first_rank(self):
@@ -264,20 +341,6 @@ class GroupCoordinator:
         world_size = self.world_size
         return (rank_in_group - 1) % world_size
 
-    @property
-    def skip_rank(self):
-        """Return the global rank of the process that skip connects with the caller"""
-        rank_in_group = self.rank_in_group
-        world_size = self.world_size
-        return self.ranks[(world_size - rank_in_group - 1) % world_size]
-
-    @property
-    def group_skip_rank(self):
-        """Return the group rank of the process that skip connects with the caller"""
-        rank_in_group = self.rank_in_group
-        world_size = self.world_size
-        return (world_size - rank_in_group - 1) % world_size
-
     @contextmanager
     def graph_capture(self, graph_capture_context: GraphCaptureContext | None = None):
         if current_platform.is_cuda_alike():
@@ -293,7 +356,16 @@ class GroupCoordinator:
             if curr_stream != stream:
                 stream.wait_stream(curr_stream)
 
-            with torch.cuda.stream(stream):
+            # Custom all-reduce has an eager path and a graph path; only inside
+            # capture() does all_reduce pick the graph one, and only capture()
+            # exit registers the graph-pool buffers with the peers. Capturing the
+            # eager path instead faults on replay (unmapped peer IPC address).
+            custom_ar = self.srt_custom_allreduce
+            maybe_ca_context = (
+                nullcontext() if custom_ar is None else custom_ar.capture()
+            )
+
+            with torch.cuda.stream(stream), maybe_ca_context:
                 yield graph_capture_context
         else:
             # For non-CUDA platforms (MPS, CPU), just yield the context without stream management
@@ -323,11 +395,57 @@ class GroupCoordinator:
         # Bypass the function if we are using only 1 GPU.
         if self.world_size == 1:
             return input_
+        elif (
+            torch.compiler.is_compiling()
+            and self.srt_custom_allreduce is not None
+            and not async_op
+            # Compare by identity: Dynamo before torch 2.14 cannot trace
+            # RedOpType.__eq__ and breaks the graph on `==`.
+            and op is torch.distributed.ReduceOp.SUM
+            and not input_.is_cpu
+        ):
+            return diffusion_all_reduce(input_, group_name=self.unique_name)
         else:
-            torch.distributed.all_reduce(
-                input_, op=op, group=self.device_group, async_op=async_op
-            )
+            custom_ar = self.srt_custom_allreduce
+            if (
+                not async_op
+                and custom_ar is not None
+                and op is torch.distributed.ReduceOp.SUM
+                and not input_.is_cpu
+                and not custom_ar.disabled
+                and custom_ar.should_custom_ar(input_)
+            ):
+                output = custom_ar.custom_all_reduce(input_)
+                if output is not None:
+                    return output
+            if (
+                current_platform.is_cpu()
+                and not async_op
+                and self.shm_handle is not None
+                and is_shm_available(input_.dtype, self.world_size, len(self.ranks))
+                and op is torch.distributed.ReduceOp.SUM
+            ):
+                # for CPU platform, intra-node case we could speedup with shared memory based comm ops
+                torch.ops.sgl_kernel.shm_allreduce(
+                    input_, int(torch.distributed.ReduceOp.SUM), self.shm_handle
+                )
+            else:
+                torch.distributed.all_reduce(
+                    input_, op=op, group=self.device_group, async_op=async_op
+                )
+
         return input_
+
+    def _all_reduce_out_of_place(self, input_: torch.Tensor) -> torch.Tensor:
+        """Sum over the group into a new tensor; the input is left untouched."""
+        custom_ar = self.srt_custom_allreduce
+        if not custom_ar.disabled and custom_ar.should_custom_ar(input_):
+            output = custom_ar.custom_all_reduce(input_)
+            if output is not None:
+                return output
+        output = input_.clone()
+        torch.distributed.all_reduce(output, group=self.device_group)
+        return output
 
     def all_gather(
         self, input_: torch.Tensor, dim: int = 0, separate_tensors: bool = False
@@ -336,9 +454,9 @@ class GroupCoordinator:
         # Bypass the function if we are using only 1 GPU.
         if world_size == 1:
             return input_
-        assert (
-            -input_.dim() <= dim < input_.dim()
-        ), f"Invalid dim ({dim}) for input tensor with shape {input_.size()}"
+        assert -input_.dim() <= dim < input_.dim(), (
+            f"Invalid dim ({dim}) for input tensor with shape {input_.size()}"
+        )
         if dim < 0:
             # Convert negative dim to positive.
             dim += input_.dim()
@@ -348,10 +466,26 @@ class GroupCoordinator:
         output_tensor = torch.empty(
             input_size, dtype=input_.dtype, device=input_.device
         )
-        # All-gather.
-        torch.distributed.all_gather_into_tensor(
-            output_tensor, input_, group=self.device_group
-        )
+
+        # Group-aware CPU SHM all-gather.
+        if (
+            current_platform.is_cpu()
+            and self.shm_handle is not None
+            and is_shm_available(input_.dtype, self.world_size, len(self.ranks))
+        ):
+            output_tensor = torch.ops.sgl_kernel.shm_allgather(
+                input_, dim, self.shm_handle
+            )
+
+            if separate_tensors:
+                return list(output_tensor.chunk(world_size, dim=dim))
+            return output_tensor
+
+        # Fallback.
+        if not input_.is_contiguous():
+            input_ = input_.contiguous()
+        all_gather_single(output_tensor, input_, group=self.device_group)
+
         if dim != 0:
             input_size[0] //= world_size
             output_tensor = output_tensor.reshape(
@@ -387,9 +521,9 @@ class GroupCoordinator:
         # Bypass the function if we are using only 1 GPU.
         if world_size == 1:
             return input_
-        assert (
-            -input_.dim() <= dim < input_.dim()
-        ), f"Invalid dim ({dim}) for input tensor with shape {input_.size()}"
+        assert -input_.dim() <= dim < input_.dim(), (
+            f"Invalid dim ({dim}) for input tensor with shape {input_.size()}"
+        )
         if dim < 0:
             # Convert negative dim to positive.
             dim += input_.dim()
@@ -418,6 +552,8 @@ class GroupCoordinator:
         if self.world_size == 1:
             return input_
         # Broadcast.
+        if not input_.is_contiguous():
+            input_ = input_.contiguous()
         torch.distributed.broadcast(
             input_,
             src=self.ranks[src],
@@ -435,9 +571,9 @@ class GroupCoordinator:
         # Bypass the function if we are using only 1 GPU.
         if self.world_size == 1:
             return obj
-        if self.shm_broadcaster is not None:
+        if self.mq_broadcaster is not None:
             assert src == 0, "Shared memory broadcaster only supports src=0"
-            return self.shm_broadcaster.broadcast_object(obj)
+            return self.mq_broadcaster.broadcast_object(obj)
         if self.rank_in_group == src:
             torch.distributed.broadcast_object_list(
                 [obj], src=self.ranks[src], group=self.cpu_group
@@ -503,9 +639,9 @@ class GroupCoordinator:
 
         assert src < self.world_size, f"Invalid src rank ({src})"
 
-        assert (
-            src != self.rank
-        ), "Invalid source rank. Source rank is the same as the current rank."
+        assert src != self.rank, (
+            "Invalid source rank. Source rank is the same as the current rank."
+        )
 
         size_tensor = torch.empty(1, dtype=torch.long, device="cpu")
 
@@ -525,9 +661,9 @@ class GroupCoordinator:
             object_tensor, src=self.ranks[src], group=self.cpu_group
         )
 
-        assert (
-            rank_object == rank_size
-        ), "Received object sender rank does not match the size sender rank."
+        assert rank_object == rank_size, (
+            "Received object sender rank does not match the size sender rank."
+        )
 
         obj = pickle.loads(object_tensor.numpy().tobytes())
 
@@ -550,19 +686,20 @@ class GroupCoordinator:
         group = self.device_group
         metadata_group = self.cpu_group
         assert src < self.world_size, f"Invalid src rank ({src})"
-        src = self.ranks[src]
+        src_rank_in_group = src
+        src_global_rank = self.ranks[src_rank_in_group]
 
         rank = self.rank
-        if rank == src:
+        if rank == src_global_rank:
             metadata_list: List[Tuple[Any, Any]] = []
-            assert isinstance(
-                tensor_dict, dict
-            ), f"Expecting a dictionary, got {type(tensor_dict)}"
+            assert isinstance(tensor_dict, dict), (
+                f"Expecting a dictionary, got {type(tensor_dict)}"
+            )
             metadata_list, tensor_list = _split_tensor_dict(tensor_dict)
             # `metadata_list` lives in CPU memory.
             # `broadcast_object_list` has serialization & deserialization,
             # all happening on CPU. Therefore, we can use the CPU group.
-            self.broadcast_object(metadata_list, src=src)
+            self.broadcast_object(metadata_list, src=src_rank_in_group)
             async_handles = []
             for tensor in tensor_list:
                 if tensor.numel() == 0:
@@ -571,19 +708,22 @@ class GroupCoordinator:
                 if tensor.is_cpu:
                     # use metadata_group for CPU tensors
                     handle = torch.distributed.broadcast(
-                        tensor, src=src, group=metadata_group, async_op=True
+                        tensor,
+                        src=src_global_rank,
+                        group=metadata_group,
+                        async_op=True,
                     )
                 else:
                     # use group for GPU tensors
                     handle = torch.distributed.broadcast(
-                        tensor, src=src, group=group, async_op=True
+                        tensor, src=src_global_rank, group=group, async_op=True
                     )
                 async_handles.append(handle)
             for async_handle in async_handles:
                 async_handle.wait()
 
         else:
-            metadata_list = self.broadcast_object(None, src=src)
+            metadata_list = self.broadcast_object(None, src=src_rank_in_group)
             tensor_dict = {}
             async_handles = []
             for key, value in metadata_list:
@@ -598,12 +738,15 @@ class GroupCoordinator:
                     if tensor.is_cpu:
                         # use metadata_group for CPU tensors
                         handle = torch.distributed.broadcast(
-                            tensor, src=src, group=metadata_group, async_op=True
+                            tensor,
+                            src=src_global_rank,
+                            group=metadata_group,
+                            async_op=True,
                         )
                     else:
                         # use group for GPU tensors
                         handle = torch.distributed.broadcast(
-                            tensor, src=src, group=group, async_op=True
+                            tensor, src=src_global_rank, group=group, async_op=True
                         )
                     async_handles.append(handle)
                     _update_nested_dict(tensor_dict, key, tensor)
@@ -633,9 +776,9 @@ class GroupCoordinator:
         assert dst < self.world_size, f"Invalid dst rank ({dst})"
 
         metadata_list: List[Tuple[Any, Any]] = []
-        assert isinstance(
-            tensor_dict, dict
-        ), f"Expecting a dictionary, got {type(tensor_dict)}"
+        assert isinstance(tensor_dict, dict), (
+            f"Expecting a dictionary, got {type(tensor_dict)}"
+        )
         metadata_list, tensor_list = _split_tensor_dict(tensor_dict)
         # `metadata_list` lives in CPU memory.
         # `send_object_list` has serialization & deserialization,
@@ -704,7 +847,7 @@ class GroupCoordinator:
         torch.distributed.barrier(group=self.cpu_group)
 
     def send(self, tensor: torch.Tensor, dst: Optional[int] = None) -> None:
-        """Sends a tensor to the destination rank in a non-blocking way"""
+        """Send a tensor to the destination rank."""
         """NOTE: `dst` is the rank_in_group of the destination rank."""
         if dst is None:
             dst = self.group_next_rank
@@ -712,11 +855,7 @@ class GroupCoordinator:
         torch.distributed.send(
             tensor,
             self.ranks[dst],
-            group=(
-                self.device_groups[self.rank_in_group % 2]
-                if self.world_size == 2
-                else self.device_group
-            ),
+            group=self.device_group,
         )
 
     def recv(
@@ -731,11 +870,7 @@ class GroupCoordinator:
         torch.distributed.recv(
             tensor,
             self.ranks[src],
-            (
-                self.device_groups[(self.rank_in_group + 1) % 2]
-                if self.world_size == 2
-                else self.device_group
-            ),
+            group=self.device_group,
         )
         return tensor
 
@@ -748,444 +883,11 @@ class GroupCoordinator:
             self.cpu_group = None
         if self.device_communicator is not None:
             self.device_communicator.destroy()
+        if self.srt_custom_allreduce is not None:
+            self.srt_custom_allreduce.close()
+            self.srt_custom_allreduce = None
         if self.mq_broadcaster is not None:
             self.mq_broadcaster = None
-
-
-class PipelineGroupCoordinator(GroupCoordinator):
-    """
-    available attributes:
-    rank: int  # global rank
-    ranks: List[int]  # global ranks in the group
-    world_size: int  # size of the group
-    difference between `local_rank` and `rank_in_group`:
-    if we have a group of size 4 across two nodes:
-    Process | Node | Rank | Local Rank | Rank in Group
-      0     |   0  |  0   |     0      |       0
-      1     |   0  |  1   |     1      |       1
-      2     |   1  |  2   |     0      |       2
-      3     |   1  |  3   |     1      |       3
-    local_rank: int  # local rank used to assign devices
-    rank_in_group: int  # rank inside the group
-    cpu_group: ProcessGroup  # group for CPU communication
-    device_group: ProcessGroup  # group for device communication
-    """
-
-    def __init__(
-        self,
-        group_ranks: List[List[int]],
-        local_rank: int,
-        torch_distributed_backend: Union[str, Backend],
-        group_name: str | None = None,
-    ):
-        super().__init__(
-            group_ranks=group_ranks,
-            local_rank=local_rank,
-            torch_distributed_backend=torch_distributed_backend,
-            group_name=group_name,
-        )
-        self.rank = torch.distributed.get_rank()
-        self.local_rank = local_rank
-        self.device_group = None
-        self.cpu_group = None
-        self.cpu_groups = []
-        self.device_groups = []
-        if len(group_ranks[0]) > 2 or len(group_ranks[0]) == 1:
-            for ranks in group_ranks:
-                device_group = torch.distributed.new_group(
-                    ranks, backend=torch_distributed_backend
-                )
-                # a group with `gloo` backend, to allow direct coordination between
-                # processes through the CPU.
-                with suppress_stdout():
-                    cpu_group = torch.distributed.new_group(ranks, backend="gloo")
-                if self.rank in ranks:
-                    self.ranks = ranks
-                    self.world_size = len(ranks)
-                    self.rank_in_group = ranks.index(self.rank)
-                    self.device_group = device_group
-                    self.cpu_group = cpu_group
-        # when pipeline parallelism is 2, we need to create two groups to avoid
-        #   communication stall.
-        # *_group_0_1 represents the group for communication from device 0 to
-        #   device 1.
-        # *_group_1_0 represents the group for communication from device 1 to
-        #   device 0.
-        elif len(group_ranks[0]) == 2:
-            for ranks in group_ranks:
-                device_group_0_1 = torch.distributed.new_group(
-                    ranks, backend=torch_distributed_backend
-                )
-                device_group_1_0 = torch.distributed.new_group(
-                    ranks, backend=torch_distributed_backend
-                )
-                # a group with `gloo` backend, to allow direct coordination between
-                # processes through the CPU.
-                with suppress_stdout():
-                    cpu_group_0_1 = torch.distributed.new_group(ranks, backend="gloo")
-                    cpu_group_1_0 = torch.distributed.new_group(ranks, backend="gloo")
-                if self.rank in ranks:
-                    self.ranks = ranks
-                    self.world_size = len(ranks)
-                    self.rank_in_group = ranks.index(self.rank)
-                    self.device_groups = [device_group_0_1, device_group_1_0]
-                    self.cpu_groups = [cpu_group_0_1, cpu_group_1_0]
-                    self.device_group = device_group_0_1
-                    self.cpu_group = cpu_group_0_1
-
-        assert self.cpu_group is not None
-        assert self.device_group is not None
-
-        self.device = current_platform.get_device(local_rank)
-
-        self.recv_buffer_set: bool = False
-        self.recv_tasks_queue: List[Tuple[str, int]] = []
-        self.receiving_tasks: List[Tuple[torch.distributed.Work, str, int]] = []
-        self.dtype: Optional[torch.dtype] = None
-        self.num_pipefusion_patches: Optional[int] = None
-
-        self.recv_shape: Dict[str, Dict[int, torch.Size]] = {}
-        self.send_shape: Dict[str, Dict[int, torch.Size]] = {}
-        self.recv_buffer: Dict[str, Dict[int, torch.Size]] = {}
-
-        self.skip_tensor_recv_buffer_set: bool = False
-        self.recv_skip_tasks_queue: List[Union[int, Tuple[str, int]]] = []
-        self.receiving_skip_tasks: List[Tuple[torch.distributed.Work, str, int]] = []
-        self.skip_tensor_recv_buffer: Optional[
-            Union[List[torch.Tensor], torch.Tensor]
-        ] = None
-        self.skip_device_group = None
-        for ranks in group_ranks:
-            skip_device_group = torch.distributed.new_group(
-                ranks, backend=torch_distributed_backend
-            )
-            if self.rank in ranks:
-                self.skip_device_group = skip_device_group
-        assert self.skip_device_group is not None
-
-    def reset_buffer(self):
-        self.recv_tasks_queue = []
-        self.receiving_tasks = []
-        self.recv_shape = {}
-        self.send_shape = {}
-        self.recv_buffer = {}
-
-        self.recv_skip_tasks_queue = []
-        self.receiving_skip_tasks = []
-        self.skip_tensor_recv_buffer = {}
-
-    def set_config(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-    def set_recv_buffer(
-        self,
-        num_pipefusion_patches: int,
-        patches_shape_list: List[List[int]],
-        feature_map_shape: List[int],
-        dtype: torch.dtype,
-    ):
-        assert isinstance(dtype, torch.dtype), "dtype must be a torch.dtype object"
-        assert (
-            isinstance(num_pipefusion_patches, int) and num_pipefusion_patches >= 1
-        ), "num_pipefusion_patches must be greater than or equal to 1"
-        self.dtype = dtype
-        self.num_pipefusion_patches = num_pipefusion_patches
-        self.recv_buffer = [
-            torch.zeros(*shape, dtype=self.dtype, device=self.device)
-            for shape in patches_shape_list
-        ]
-        self.recv_buffer.append(
-            torch.zeros(*feature_map_shape, dtype=self.dtype, device=self.device)
-        )
-        self.recv_buffer_set = True
-
-    def set_extra_tensors_recv_buffer(
-        self,
-        name: str,
-        shape: List[int],
-        num_buffers: int = 1,
-        dtype: torch.dtype = torch.float16,
-    ):
-        self.extra_tensors_recv_buffer[name] = [
-            torch.zeros(*shape, dtype=dtype, device=self.device)
-            for _ in range(num_buffers)
-        ]
-
-    def _check_shape_and_buffer(
-        self,
-        tensor_send_to_next=None,
-        recv_prev=False,
-        name: Optional[str] = None,
-        segment_idx: int = 0,
-    ):
-        send_flag = False
-        name = name or "latent"
-        if tensor_send_to_next is not None:
-            shape_list = self.send_shape.get(name, None)
-            if shape_list is None:
-                self.send_shape[name] = {segment_idx: tensor_send_to_next.shape}
-                send_flag = True
-            elif shape_list.get(segment_idx, None) is None:
-                self.send_shape[name][segment_idx] = tensor_send_to_next.shape
-                send_flag = True
-
-        recv_flag = False
-        if recv_prev:
-            shape_list = self.recv_shape.get(name, None)
-            if shape_list is None:
-                recv_flag = True
-            elif shape_list.get(segment_idx, None) is None:
-                recv_flag = True
-
-        recv_prev_shape = self._communicate_shapes(
-            tensor_send_to_next=tensor_send_to_next if send_flag else None,
-            recv_prev=recv_flag,
-        )
-
-        if recv_flag:
-            if self.recv_shape.get(name, None) is None:
-                self.recv_shape[name] = {segment_idx: recv_prev_shape}
-            else:
-                self.recv_shape[name][segment_idx] = recv_prev_shape
-
-            if self.recv_buffer.get(name, None) is None:
-                self.recv_buffer[name] = {
-                    segment_idx: torch.zeros(
-                        recv_prev_shape, device=self.device, dtype=self.dtype
-                    )
-                }
-            else:
-                if self.recv_buffer[name].get(segment_idx, None) is not None:
-                    logger.warning(
-                        f"Recv buffer [name: {name}, segment_idx: {segment_idx}] already exist. updating..."
-                    )
-                self.recv_buffer[name][segment_idx] = torch.zeros(
-                    recv_prev_shape, device=self.device, dtype=self.dtype
-                )
-
-    def _communicate_shapes(self, tensor_send_to_next=None, recv_prev=False):
-        """Communicate tensor shapes between stages. Used to communicate
-        tensor shapes before the actual tensor communication happens.
-
-        Args:
-            tensor_send_next: tensor to send to next rank (no tensor sent if
-                              set to None).
-            recv_prev: boolean for whether tensor should be received from
-                       previous rank.
-        """
-
-        ops = []
-        if recv_prev:
-            recv_prev_dim_tensor = torch.empty(
-                (1), device=self.device, dtype=torch.int64
-            )
-            recv_prev_dim_op = torch.distributed.P2POp(
-                torch.distributed.irecv,
-                recv_prev_dim_tensor,
-                self.prev_rank,
-                self.device_group,
-            )
-            ops.append(recv_prev_dim_op)
-
-        if tensor_send_to_next is not None:
-            send_next_dim_tensor = torch.tensor(
-                tensor_send_to_next.dim(), device=self.device, dtype=torch.int64
-            )
-            send_next_dim_op = torch.distributed.P2POp(
-                torch.distributed.isend,
-                send_next_dim_tensor,
-                self.next_rank,
-                self.device_group,
-            )
-            ops.append(send_next_dim_op)
-
-        if len(ops) > 0:
-            reqs = torch.distributed.batch_isend_irecv(ops)
-            for req in reqs:
-                req.wait()
-
-        # To protect against race condition when using batch_isend_irecv().
-        # should take this out once the bug with batch_isend_irecv is resolved.
-        synchronize()
-
-        ops = []
-        recv_prev_shape_tensor = None
-        if recv_prev:
-            recv_prev_shape_tensor = torch.empty(
-                torch.Size(recv_prev_dim_tensor),
-                device=self.device,
-                dtype=torch.int64,
-            )
-            recv_prev_shape_op = torch.distributed.P2POp(
-                torch.distributed.irecv,
-                recv_prev_shape_tensor,
-                self.prev_rank,
-                self.device_group,
-            )
-            ops.append(recv_prev_shape_op)
-
-        if tensor_send_to_next is not None:
-            send_next_shape_tensor = torch.tensor(
-                tensor_send_to_next.size(),
-                device=self.device,
-                dtype=torch.int64,
-            )
-            send_next_shape_op = torch.distributed.P2POp(
-                torch.distributed.isend,
-                send_next_shape_tensor,
-                self.next_rank,
-                self.device_group,
-            )
-            ops.append(send_next_shape_op)
-
-        if len(ops) > 0:
-            reqs = torch.distributed.batch_isend_irecv(ops)
-            for req in reqs:
-                req.wait()
-
-        synchronize()
-
-        recv_prev_shape = [0, 0, 0]
-        if recv_prev_shape_tensor is not None:
-            recv_prev_shape = recv_prev_shape_tensor
-        return torch.Size(recv_prev_shape)
-
-    def pipeline_send(
-        self, tensor: torch.Tensor, name: str = "latent", segment_idx: int = -1
-    ) -> None:
-        tensor = tensor.contiguous()
-        self._check_shape_and_buffer(
-            tensor_send_to_next=tensor, name=name, segment_idx=segment_idx
-        )
-        self._pipeline_isend(tensor).wait()
-
-    def pipeline_isend(
-        self, tensor: torch.Tensor, name: str = "latent", segment_idx: int = -1
-    ) -> None:
-        tensor = tensor.contiguous()
-        self._check_shape_and_buffer(
-            tensor_send_to_next=tensor, name=name, segment_idx=segment_idx
-        )
-        self._pipeline_isend(tensor)
-
-    def pipeline_recv(self, idx: int = -1, name: str = "latent") -> torch.Tensor:
-        name = name or "latent"
-        self._check_shape_and_buffer(recv_prev=True, name=name, segment_idx=idx)
-        self._pipeline_irecv(self.recv_buffer[name][idx]).wait()
-        return self.recv_buffer[name][idx]
-
-    def add_pipeline_recv_task(self, idx: int = -1, name: str = "latent"):
-        name = name or "latent"
-        self.recv_tasks_queue.append((name, idx))
-
-    def recv_next(self):
-        if len(self.recv_tasks_queue) == 0:
-            raise ValueError("No more tasks to receive")
-        elif len(self.recv_tasks_queue) > 0:
-            name, idx = self.recv_tasks_queue.pop(0)
-            self._check_shape_and_buffer(recv_prev=True, name=name, segment_idx=idx)
-            self.receiving_tasks.append(
-                (self._pipeline_irecv(self.recv_buffer[name][idx]), name, idx)
-            )
-
-    def get_pipeline_recv_data(
-        self, idx: int = -1, name: str = "latent"
-    ) -> torch.Tensor:
-        assert (
-            len(self.receiving_tasks) > 0
-        ), "No tasks to receive, call add_pipeline_recv_task first"
-        receiving_task = self.receiving_tasks.pop(0)
-        receiving_task[0].wait()
-        assert (
-            receiving_task[1] == name and receiving_task[2] == idx
-        ), "Received tensor does not match the requested"
-        return self.recv_buffer[name][idx]
-
-    def _pipeline_irecv(self, tensor: torch.tensor):
-        return torch.distributed.irecv(
-            tensor,
-            src=self.prev_rank,
-            group=(
-                self.device_groups[(self.rank_in_group + 1) % 2]
-                if self.world_size == 2
-                else self.device_group
-            ),
-        )
-
-    def _pipeline_isend(self, tensor: torch.tensor):
-        return torch.distributed.isend(
-            tensor,
-            dst=self.next_rank,
-            group=(
-                self.device_groups[self.rank_in_group % 2]
-                if self.world_size == 2
-                else self.device_group
-            ),
-        )
-
-    def set_skip_tensor_recv_buffer(
-        self,
-        patches_shape_list: List[List[int]],
-        feature_map_shape: List[int],
-    ):
-        self.skip_tensor_recv_buffer = [
-            torch.zeros(*shape, dtype=self.dtype, device=self.device)
-            for shape in patches_shape_list
-        ]
-        self.skip_tensor_recv_buffer.append(
-            torch.zeros(*feature_map_shape, dtype=self.dtype, device=self.device)
-        )
-        self.skip_tensor_recv_buffer_set = True
-
-    def pipeline_send_skip(self, tensor: torch.Tensor) -> None:
-        tensor = tensor.contiguous()
-        self._pipeline_isend_skip(tensor).wait()
-
-    def pipeline_isend_skip(self, tensor: torch.Tensor) -> None:
-        tensor = tensor.contiguous()
-        self._pipeline_isend_skip(tensor)
-
-    def pipeline_recv_skip(self, idx: int = -1) -> torch.Tensor:
-        self._pipeline_irecv_skip(self.skip_tensor_recv_buffer[idx]).wait()
-        return self.skip_tensor_recv_buffer[idx]
-
-    def add_pipeline_recv_skip_task(self, idx: int = -1):
-        self.recv_skip_tasks_queue.append(idx)
-
-    def get_pipeline_recv_skip_data(self, idx: int = -1) -> torch.Tensor:
-        assert (
-            len(self.receiving_skip_tasks) > 0
-        ), "No tasks to receive, call add_pipeline_recv_skip_task first"
-        receiving_skip_task = self.receiving_skip_tasks.pop(0)
-        receiving_skip_task[0].wait()
-        assert (
-            receiving_skip_task[2] == idx
-        ), "Received tensor does not match the requested"
-        return self.skip_tensor_recv_buffer[idx]
-
-    def recv_skip_next(self):
-        if len(self.recv_skip_tasks_queue) == 0:
-            raise ValueError("No more tasks to receive")
-        elif len(self.recv_skip_tasks_queue) > 0:
-            task = self.recv_skip_tasks_queue.pop(0)
-            idx = task
-            self.receiving_skip_tasks.append(
-                (
-                    self._pipeline_irecv_skip(self.skip_tensor_recv_buffer[idx]),
-                    None,
-                    idx,
-                )
-            )
-
-    def _pipeline_irecv_skip(self, tensor: torch.tensor):
-        return torch.distributed.irecv(
-            tensor, src=self.skip_rank, group=self.skip_device_group
-        )
-
-    def _pipeline_isend_skip(self, tensor: torch.tensor):
-        return torch.distributed.isend(
-            tensor, dst=self.skip_rank, group=self.skip_device_group
-        )
 
 
 class SequenceParallelGroupCoordinator(GroupCoordinator):
@@ -1207,12 +909,31 @@ class SequenceParallelGroupCoordinator(GroupCoordinator):
         ring_group = kwargs.get("ring_group", None)
         if ulysses_group is None:
             raise RuntimeError(
-                f"Please pass argument 'ulysses_group' when calling init func of SequenceParallelGroupCoordinator"
+                "Please pass argument 'ulysses_group' when calling init func of SequenceParallelGroupCoordinator"
             )
         if ring_group is None:
             raise RuntimeError(
-                f"Please pass argument 'ring_group' when calling init func of SequenceParallelGroupCoordinator"
+                "Please pass argument 'ring_group' when calling init func of SequenceParallelGroupCoordinator"
             )
+        self._bind_sequence_groups(ulysses_group, ring_group)
+
+    @classmethod
+    def over_group(
+        cls, group: GroupCoordinator, ring_group: ProcessGroup
+    ) -> "SequenceParallelGroupCoordinator":
+        """Pure-Ulysses SP over ``group``'s ranks that reuses its communicators.
+
+        ``ring_group`` is this rank's single-rank group. The result owns no
+        process group: destroying ``group`` releases it, never destroy it itself.
+        """
+        sp_group = cls.__new__(cls)
+        sp_group.__dict__.update(vars(group))
+        sp_group._bind_sequence_groups(group.device_group, ring_group)
+        return sp_group
+
+    def _bind_sequence_groups(
+        self, ulysses_group: ProcessGroup, ring_group: ProcessGroup
+    ) -> None:
         self.ulysses_group = ulysses_group
         self.ring_group = ring_group
 
@@ -1220,3 +941,13 @@ class SequenceParallelGroupCoordinator(GroupCoordinator):
         self.ulysses_rank = torch.distributed.get_rank(self.ulysses_group)
         self.ring_world_size = torch.distributed.get_world_size(self.ring_group)
         self.ring_rank = torch.distributed.get_rank(self.ring_group)
+        self.ulysses_shm_handle = None
+        if (
+            current_platform.is_cpu()
+            and self.ulysses_world_size > 1
+            and hasattr(torch.ops.sgl_kernel, "shm_group_initialize")
+        ):
+            # TODO: Initialize a dedicated SHM handle for the Ulysses subgroup
+            # when Ring Attention is supported on CPU. The current SP handle
+            # is only valid when ring_degree == 1.
+            self.ulysses_shm_handle = self.shm_handle

@@ -1,7 +1,7 @@
 # Reference: https://github.com/feifeibear/long-context-attention/blob/main/yunchang/globals.py
 
 
-import torch
+from .group_coordinator import new_device_group
 
 
 class Singleton:
@@ -43,9 +43,9 @@ def set_seq_parallel_pg_by_sp_groups(
     """
     sp_degree = sp_ring_degree * sp_ulysses_degree
     assert sp_degree > 0
-    assert all(
-        len(g) == sp_degree for g in sp_groups
-    ), f"Each SP group must have size {sp_degree}, got sizes {[len(g) for g in sp_groups]}"
+    assert all(len(g) == sp_degree for g in sp_groups), (
+        f"Each SP group must have size {sp_degree}, got sizes {[len(g) for g in sp_groups]}"
+    )
 
     ulyssess_pg = None
     ring_pg = None
@@ -56,34 +56,34 @@ def set_seq_parallel_pg_by_sp_groups(
     def _map_indices_to_ranks(ranks: list[int], indices: list[int]) -> list[int]:
         return [ranks[i] for i in indices]
 
-    # Important: call torch.distributed.new_group in the same order on all ranks.
+    # Important: create the groups in the same order on all ranks.
     for sp_ranks in sp_groups:
         if use_ulysses_low:
             for i in range(num_ulysses_pgs):
                 idx = list(range(i * sp_ulysses_degree, (i + 1) * sp_ulysses_degree))
                 ulysses_ranks = _map_indices_to_ranks(sp_ranks, idx)
-                group = torch.distributed.new_group(ulysses_ranks)
+                group = new_device_group(ulysses_ranks)
                 if rank in ulysses_ranks:
                     ulyssess_pg = group
 
             for i in range(num_ring_pgs):
                 idx = list(range(i, sp_degree, num_ring_pgs))
                 ring_ranks = _map_indices_to_ranks(sp_ranks, idx)
-                group = torch.distributed.new_group(ring_ranks)
+                group = new_device_group(ring_ranks)
                 if rank in ring_ranks:
                     ring_pg = group
         else:
             for i in range(num_ring_pgs):
                 idx = list(range(i * sp_ring_degree, (i + 1) * sp_ring_degree))
                 ring_ranks = _map_indices_to_ranks(sp_ranks, idx)
-                group = torch.distributed.new_group(ring_ranks)
+                group = new_device_group(ring_ranks)
                 if rank in ring_ranks:
                     ring_pg = group
 
             for i in range(num_ulysses_pgs):
                 idx = list(range(i, sp_degree, num_ulysses_pgs))
                 ulysses_ranks = _map_indices_to_ranks(sp_ranks, idx)
-                group = torch.distributed.new_group(ulysses_ranks)
+                group = new_device_group(ulysses_ranks)
                 if rank in ulysses_ranks:
                     ulyssess_pg = group
 

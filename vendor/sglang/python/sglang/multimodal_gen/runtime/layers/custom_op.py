@@ -4,15 +4,16 @@
 # Adapted from vllm: https://github.com/vllm-project/vllm/blob/v0.7.3/vllm/model_executor/custom_op.py
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, ClassVar
 
 import torch.nn as nn
 
-from sglang.multimodal_gen.runtime.platforms import current_platform
+import sglang.multimodal_gen.runtime.platforms as platforms
+from sglang.kernels.kernel_api_logging import debug_kernel_api
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 
 logger = init_logger(__name__)
-_is_cuda = current_platform.is_cuda()
 
 
 class CustomOp(nn.Module):
@@ -21,10 +22,20 @@ class CustomOp(nn.Module):
     Dispatches the forward method to the appropriate backend.
     """
 
+    _oot_forward_registry: ClassVar[dict[str, dict[type["CustomOp"], Callable]]] = {}
+
+    @staticmethod
+    def register_oot_forward(
+        op_cls: type["CustomOp"], *, fn: Callable, platform_key: str
+    ) -> None:
+        """Register ``fn`` for an exact op class and behavioral dispatch key."""
+        CustomOp._oot_forward_registry.setdefault(platform_key, {})[op_cls] = fn
+
     def __init__(self) -> None:
         super().__init__()
         self._forward_method = self.dispatch_forward()
 
+    @debug_kernel_api
     def forward(self, *args, **kwargs) -> Any:
         return self._forward_method(*args, **kwargs)
 
@@ -44,20 +55,18 @@ class CustomOp(nn.Module):
         return self.forward_cuda(*args, **kwargs)
 
     def forward_cpu(self, *args, **kwargs) -> Any:
-        # By default, we assume that CPU ops are compatible with CUDA ops.
-        return self.forward_cuda(*args, **kwargs)
+        # By default, we assume that CPU ops are compatible with the
+        # PyTorch-native implementation.
+        return self.forward_native(*args, **kwargs)
 
     def forward_tpu(self, *args, **kwargs) -> Any:
         # By default, we assume that TPU ops are compatible with the
         # PyTorch-native implementation.
-        # NOTE(woosuk): This is a placeholder for future extensions.
         return self.forward_native(*args, **kwargs)
 
     def forward_musa(self, *args, **kwargs) -> Any:
-        # XXX (MUSA): MUSA kernels follow the CUDA path by default.
-        # At this stage, sgl-kernel support for MUSA is still under active
-        # development, so we fall back to the PyTorch-native implementation.
-        return self.forward_native(*args, **kwargs)
+        # MUSA kernels follow the CUDA path by default.
+        return self.forward_cuda(*args, **kwargs)
 
     def forward_oot(self, *args, **kwargs) -> Any:
         # By default, we assume that OOT ops are compatible with the
@@ -69,17 +78,49 @@ class CustomOp(nn.Module):
         # PyTorch-native implementation.
         return self.forward_native(*args, **kwargs)
 
+    def forward_xpu(self, *args, **kwargs) -> Any:
+        return self.forward_native(*args, **kwargs)
+
+    def _defined_forward(self, method_name: str) -> Callable | None:
+        """Return an implementation defined below ``CustomOp`` in the MRO."""
+        for op_cls in type(self).__mro__:
+            if op_cls is CustomOp:
+                return None
+            if method_name in op_cls.__dict__:
+                return getattr(self, method_name)
+        return None
+
     def dispatch_forward(self) -> Callable:
-        if _is_cuda:
+        platform = platforms.current_platform
+        if platform.is_out_of_tree():
+            # An empty key would silently skip the platform forward below and
+            # dispatch everything to forward_oot instead.
+            platform_key = platform.get_dispatch_key_name().strip()
+            if not platform_key:
+                raise ValueError(
+                    "Out-of-tree diffusion platforms must return a non-empty "
+                    "get_dispatch_key_name()"
+                )
+            forward = self._oot_forward_registry.get(platform_key, {}).get(type(self))
+            if forward is not None:
+                return partial(forward, self)
+            if platform_key.isidentifier():
+                platform_forward = self._defined_forward(f"forward_{platform_key}")
+                if platform_forward is not None:
+                    return platform_forward
+            return self.forward_oot
+        elif platform.is_cuda():
             return self.forward_cuda
-        elif current_platform.is_hip():
+        elif platform.is_hip():
             return self.forward_hip
-        elif current_platform.is_npu():
+        elif platform.is_npu():
             return self.forward_npu
-        elif current_platform.is_xpu():
+        elif platform.is_xpu():
             return self.forward_xpu
-        elif current_platform.is_musa():
+        elif platform.is_musa():
             return self.forward_musa
+        elif platform.is_cpu():
+            return self.forward_cpu
         else:
             return self.forward_native
 
@@ -87,14 +128,6 @@ class CustomOp(nn.Module):
     def enabled(cls) -> bool:
         # since we are not using Inductor, we always return True
         return True
-
-    @staticmethod
-    def default_on() -> bool:
-        """
-        On by default if level < CompilationLevel.PIECEWISE
-        Specifying 'all' or 'none' in custom_op takes precedence.
-        """
-        raise NotImplementedError
 
     # Dictionary of all custom ops (classes, indexed by registered name).
     # To check if an op with a name is enabled, call .enabled() on the class.

@@ -1,6 +1,6 @@
 import torch
 
-from sglang.jit_kernel.diffusion.triton.scale_shift import fuse_scale_shift_kernel
+from sglang.kernels.ops.diffusion import fuse_scale_shift_kernel
 from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
 
 
@@ -33,3 +33,21 @@ class MulAdd(CustomOp):
         self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, k: int = 0
     ):
         return fuse_scale_shift_kernel(a, b, c, scale_constant=k)
+
+    def forward_xpu(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, k: int = 0
+    ):
+        return self.forward_native(a, b, c, k=k).to(a.dtype)
+
+    @torch.compile
+    def forward_musa(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, k: int = 0
+    ):
+        return self.forward_native(a, b, c, k=k)
+
+    def forward_npu(
+        self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, k: int = 0
+    ):
+        from sgl_kernel_npu.norm.scale_shift import fused_scale_shift
+
+        return fused_scale_shift(a, b, c, scale_constant=k)

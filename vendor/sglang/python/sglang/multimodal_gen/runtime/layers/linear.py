@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
+from sglang.kernels.kernel_api_logging import wrap_method_with_debug_kernel_once
+from sglang.multimodal_gen import envs
 from sglang.multimodal_gen.runtime.distributed import (
     divide,
     get_tp_group,
@@ -21,7 +23,11 @@ from sglang.multimodal_gen.runtime.layers.quantization.configs.base_config impor
     QuantizationConfig,
     QuantizeMethodBase,
 )
-from sglang.multimodal_gen.runtime.layers.utils import get_group_rank, get_group_size
+from sglang.multimodal_gen.runtime.layers.utils import (
+    get_group_rank,
+    get_group_size,
+    register_custom_op,
+)
 
 # yapf: disable
 from sglang.multimodal_gen.runtime.models.parameter import (
@@ -32,14 +38,77 @@ from sglang.multimodal_gen.runtime.models.parameter import (
     PerTensorScaleParameter,
     RowvLLMParameter,
 )
+from sglang.multimodal_gen.runtime.platforms import current_platform
+from sglang.multimodal_gen.runtime.platforms.aiter import USE_AITER_GFX1250
+from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 
 # yapf: enable
-from sglang.multimodal_gen.runtime.models.utils import set_weight_attrs
-from sglang.multimodal_gen.runtime.platforms import current_platform
-from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+from sglang.multimodal_gen.runtime.utils.weight_attrs import set_weight_attrs
 
 logger = init_logger(__name__)
 
+IS_AMP_SUPPORTED = current_platform.is_amp_supported()
+_USE_AITER_TGEMM = current_platform.is_rocm() and envs.SGLANG_USE_ROCM_AITER_TGEMM
+if _USE_AITER_TGEMM:
+    from aiter.tuned_gemm import tgemm
+# gfx1250 has no tuned hipBLASLt bf16 kernels. For FLUX.2 shapes FlyDSL's a16w16
+# runs 930-960 TFLOPS vs 650-700 for Inductor's templates and ~880 for tgemm.
+if USE_AITER_GFX1250:
+    from aiter.ops.flydsl.gemm_a16w16_gfx1250 import gemm_a16w16 as _flydsl_gemm
+
+    @register_custom_op(
+        op_name="flydsl_gfx1250_linear",
+        fake_impl=lambda x, weight, bias=None: x.new_empty(
+            *x.shape[:-1], weight.shape[0]
+        ),
+    )
+    def _flydsl_linear(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x_2d = x.reshape(-1, x.shape[-1])
+        m, n = x_2d.shape[0], weight.shape[0]
+        num_cus = torch.cuda.get_device_properties(x.device).multi_processor_count
+        # Measured on FLUX.2 shapes; 128-row tiles only when 256x256 underfills the CUs.
+        tile_m = 256 if -(-m // 256) * -(-n // 256) >= num_cus else 128
+        out = _flydsl_gemm(
+            x_2d,
+            weight,
+            bias=bias,
+            dtype=x.dtype,
+            tile_m=tile_m,
+            tile_n=256,
+            tile_k=64,
+            m_warp=2,
+            n_warp=4,
+            num_buffers=4,
+            variant="compute_bound",
+        )
+        return out.view(*x.shape[:-1], n)
+
+
+# Only M >= 256 was measured; below it torch.compile fuses the small GEMMs into
+# neighbours (modulation mm + SiLU). K must give the 4-stage pipeline 3+ tiles.
+_FLYDSL_MIN_M = 256
+_FLYDSL_MIN_K = 256
+
+
+def _use_flydsl_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
+    return (
+        USE_AITER_GFX1250
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and x.numel() // x.shape[-1] >= _FLYDSL_MIN_M
+        and x.shape[-1] >= _FLYDSL_MIN_K
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+# aiter gemm_a16w16 kernels index operands with int32 offsets and fault beyond this.
+_AITER_TGEMM_MAX_NUMEL = 2**31
 WEIGHT_LOADER_V2_SUPPORTED = [
     "CompressedTensorsLinearMethod",
     "AWQMarlinLinearMethod",
@@ -51,13 +120,21 @@ WEIGHT_LOADER_V2_SUPPORTED = [
     "GPTQMarlin24LinearMethod",
     "TPUInt8LinearMethod",
     "GPTQLinearMethod",
-    "FBGEMMFp8LinearMethod",
     "ModelOptFp8LinearMethod",
+    "ModelOptFp4LinearMethod",
+    "ComfyUIFp4LinearMethod",
     "IPEXAWQLinearMethod",
     "IPEXGPTQLinearMethod",
     "HQQMarlinMethod",
     "QuarkLinearMethod",
 ]
+
+
+def _uses_weight_loader_v2(quant_method: QuantizeMethodBase) -> bool:
+    # Subclasses inherit their base method's parameter types and loader contract.
+    return any(
+        cls.__name__ in WEIGHT_LOADER_V2_SUPPORTED for cls in type(quant_method).__mro__
+    )
 
 
 def adjust_scalar_to_fused_array(
@@ -85,8 +162,47 @@ def adjust_scalar_to_fused_array(
     return param[shard_id], loaded_weight
 
 
+def _load_tensor_parallel_weight(
+    param: Parameter,
+    loaded_weight: torch.Tensor,
+    tp_rank: int,
+    shard_dim: int | None,
+    input_sizes: list[int] | None = None,
+    tp_size: int = 1,
+) -> None:
+    is_sharded_weight = getattr(param, "is_sharded_weight", False)
+    param_data = param.data
+    # Already-sharded checkpoints (e.g. bitsandbytes) must not be sliced twice.
+    if shard_dim is not None and not is_sharded_weight:
+        if input_sizes is not None and tp_size > 1:
+            # checkpoint segments and TP input segments have different layouts;
+            # packed weights and block scales store fewer entries per segment
+            factor = divide(sum(input_sizes), loaded_weight.shape[shard_dim])
+            sizes = [divide(size, factor) for size in input_sizes]
+            shards = []
+            for segment in loaded_weight.split(sizes, dim=shard_dim):
+                size = divide(segment.shape[shard_dim], tp_size)
+                shards.append(segment.narrow(shard_dim, tp_rank * size, size))
+            loaded_weight = torch.cat(shards, dim=shard_dim)
+        else:
+            shard_size = param_data.shape[shard_dim]
+            loaded_weight = loaded_weight.narrow(
+                shard_dim, tp_rank * shard_size, shard_size
+            )
+    # AutoFP8 scales can be stored as scalars rather than length-one tensors.
+    if len(loaded_weight.shape) == 0:
+        loaded_weight = loaded_weight.reshape(1)
+    assert param_data.shape == loaded_weight.shape
+    param_data.copy_(loaded_weight)
+
+
 class LinearMethodBase(QuantizeMethodBase):
     """Base class for different (maybe quantized) linear methods."""
+
+    def accepts_mxfp8_input(self, layer: torch.nn.Module) -> bool:
+        """Whether ``apply`` takes a prequantized ``(e4m3 input, swizzled E8M0
+        block scales)`` tuple for this layer."""
+        return False
 
     @abstractmethod
     def create_weights(
@@ -123,6 +239,39 @@ class LinearMethodBase(QuantizeMethodBase):
         raise NotImplementedError
 
 
+def apply_unquantized_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Apply a plain linear projection with the runtime's reference semantics."""
+    if x.device.type == "mps":
+        if x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype):
+            return F.linear(x, weight, bias)
+        return F.linear(
+            x.to(torch.float32),
+            weight.to(torch.float32),
+            None if bias is None else bias.to(torch.float32),
+        ).to(x.dtype)
+
+    if _use_flydsl_linear(x, weight, bias):
+        return _flydsl_linear(x, weight, bias)
+
+    if (
+        _USE_AITER_TGEMM
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and x.numel() < _AITER_TGEMM_MAX_NUMEL
+        and x.numel() // x.shape[-1] * weight.shape[0] < _AITER_TGEMM_MAX_NUMEL
+    ):
+        return tgemm.mm(x, weight, bias)
+
+    return (
+        F.linear(x, weight, bias)
+        if IS_AMP_SUPPORTED or bias is None
+        else F.linear(x, weight, bias.to(x.dtype))
+    )
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     """Linear method without quantization."""
 
@@ -151,12 +300,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        output = (
-            F.linear(x, layer.weight, bias)
-            if current_platform.is_amp_supported() or bias is None
-            else F.linear(x, layer.weight, bias.to(x.dtype))
-        )  # NOTE: this line assumes that we are using amp when using cuda and is needed to account for the fact that amp isn't supported in mps
-        return output
+        return apply_unquantized_linear(x, layer.weight, bias)
 
 
 class LinearBase(torch.nn.Module):
@@ -195,6 +339,13 @@ class LinearBase(torch.nn.Module):
         else:
             self.quant_method = quant_config.get_quant_method(self, prefix=prefix)
 
+        if self.quant_method is not None:
+            wrap_method_with_debug_kernel_once(
+                self.quant_method,
+                "apply",
+                op_name=f"diffusion.quant_method.{self.quant_method.__class__.__name__}.apply",
+            )
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Parameter | None]:
         raise NotImplementedError
 
@@ -221,6 +372,7 @@ class ReplicatedLinear(LinearBase):
         skip_bias_add: bool = False,
         params_dtype: torch.dtype | None = None,
         quant_config: QuantizationConfig | None = None,
+        output_sizes: list[int] | None = None,
         prefix: str = "",
     ):
         super().__init__(
@@ -234,10 +386,11 @@ class ReplicatedLinear(LinearBase):
 
         # All the linear layer supports quant method.
         assert self.quant_method is not None
+        output_partition_sizes = output_sizes or [self.output_size]
         self.quant_method.create_weights(
             self,
             self.input_size,
-            [self.output_size],
+            output_partition_sizes,
             self.input_size,
             self.output_size,
             self.params_dtype,
@@ -285,6 +438,73 @@ class ReplicatedLinear(LinearBase):
         s += f", output_features={self.output_size}"
         s += f", bias={self.bias is not None}"
         return s
+
+
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Packed replicated linear layers with shard-aware weight loading.
+
+    This is the non-tensor-parallel counterpart of
+    :class:`MergedColumnParallelLinear`. It keeps independently stored logical
+    projections in one physical weight so eager inference launches one GEMM.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
+        self.output_sizes = output_sizes
+        super().__init__(
+            input_size=input_size,
+            output_size=sum(output_sizes),
+            bias=bias,
+            skip_bias_add=skip_bias_add,
+            params_dtype=params_dtype,
+            quant_config=quant_config,
+            output_sizes=output_sizes,
+            prefix=prefix,
+        )
+
+    def weight_loader(
+        self,
+        param: Parameter,
+        loaded_weight: torch.Tensor,
+        loaded_shard_id: int | str | None = None,
+    ) -> None:
+        if loaded_shard_id is None:
+            return super().weight_loader(param, loaded_weight)
+
+        if isinstance(loaded_shard_id, str):
+            try:
+                loaded_shard_id = {"q": 0, "k": 1, "v": 2}[loaded_shard_id]
+            except KeyError as exc:
+                raise ValueError(f"Invalid merged shard id: {loaded_shard_id}") from exc
+        if not 0 <= loaded_shard_id < len(self.output_sizes):
+            raise ValueError(f"Invalid merged shard id: {loaded_shard_id}")
+        param_data = param.data
+        output_dim = getattr(param, "output_dim", None)
+        if output_dim is not None:
+            shard_offset = sum(self.output_sizes[:loaded_shard_id])
+            shard_size = self.output_sizes[loaded_shard_id]
+            param_data = param_data.narrow(output_dim, shard_offset, shard_size)
+        elif getattr(param, "is_metadata", False):
+            shard_size = loaded_weight.shape[0]
+            param_data = param_data.narrow(0, loaded_shard_id * shard_size, shard_size)
+        elif getattr(param, "needs_scalar_to_array", False):
+            param_data, loaded_weight = adjust_scalar_to_fused_array(
+                param_data, loaded_weight, loaded_shard_id
+            )
+        if tuple(param_data.shape) != tuple(loaded_weight.shape):
+            raise ValueError(
+                f"Tried to load merged shard of size {loaded_weight.size()} "
+                f"to a parameter slice of size {param_data.size()}"
+            )
+        param_data.copy_(loaded_weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -356,7 +576,7 @@ class ColumnParallelLinear(LinearBase):
             params_dtype=self.params_dtype,
             weight_loader=(
                 self.weight_loader_v2
-                if self.quant_method.__class__.__name__ in WEIGHT_LOADER_V2_SUPPORTED
+                if _uses_weight_loader_v2(self.quant_method)
                 else self.weight_loader
             ),
         )
@@ -378,25 +598,9 @@ class ColumnParallelLinear(LinearBase):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
-        tp_rank = self.tp_rank
-        output_dim = getattr(param, "output_dim", None)
-
-        is_sharded_weight = getattr(param, "is_sharded_weight", False)
-        is_sharded_weight = is_sharded_weight
-
-        param_data = param.data
-        if output_dim is not None and not is_sharded_weight:
-            shard_size = param_data.shape[output_dim]
-            start_idx = tp_rank * shard_size
-            loaded_weight = loaded_weight.narrow(output_dim, start_idx, shard_size)
-
-        # Special case for loading scales off disk, which often do not
-        # have a shape (such as in the case of AutoFP8).
-        if len(loaded_weight.shape) == 0:
-            loaded_weight = loaded_weight.reshape(1)
-
-        assert param_data.shape == loaded_weight.shape
-        param_data.copy_(loaded_weight)
+        _load_tensor_parallel_weight(
+            param, loaded_weight, self.tp_rank, getattr(param, "output_dim", None)
+        )
 
     def weight_loader_v2(self, param: Parameter, loaded_weight: torch.Tensor) -> None:
         # Special case for loading scales off disk, which often do not
@@ -466,6 +670,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         prefix: str = "",
         tp_group: dist.ProcessGroup = None,
     ):
+        tp_group = tp_group or get_tp_group()
+        # Set output_sizes BEFORE super().__init__() so ColumnParallelLinear derives
+        # per-shard output_partition_sizes.
+        self.output_sizes = output_sizes
         super().__init__(
             input_size=input_size,
             output_size=sum(output_sizes),
@@ -477,7 +685,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             prefix=prefix,
             tp_group=tp_group,
         )
-        self.output_sizes = output_sizes
         assert all(output_size % self.tp_size == 0 for output_size in output_sizes)
 
     def weight_loader(
@@ -486,7 +693,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         loaded_weight: torch.Tensor,
         loaded_shard_id: int | None = None,
     ) -> None:
-
         param_data = param.data
         output_dim = getattr(param, "output_dim", None)
         # Special case for AQLM codebooks.
@@ -528,7 +734,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             is_sharded_weight = getattr(param, "is_sharded_weight", False)
             # bitsandbytes loads the weights of the specific portion
             # no need to narrow
-            is_sharded_weight = is_sharded_weight
 
             param_data = param_data.narrow(output_dim, shard_offset, shard_size)
             start_idx = tp_rank * shard_size
@@ -601,8 +806,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         loaded_weight: torch.Tensor,
         loaded_shard_id: int | None = None,
     ) -> None:
+        if isinstance(param, BlockQuantScaleParameter):
+            self._weight_loader_v2_block_quant_scale(
+                param, loaded_weight, loaded_shard_id
+            )
+            return
+
         if loaded_shard_id is None:
             if isinstance(param, PerTensorScaleParameter):
+                if loaded_weight.numel() == 1 and param.data.numel() > 1:
+                    param.data.fill_(loaded_weight.reshape(-1)[0])
+                    return
+                if loaded_weight.shape == param.data.shape:
+                    param.data.copy_(loaded_weight)
+                    return
                 param.load_merged_column_weight(loaded_weight=loaded_weight, shard_id=0)
                 return
             elif type(param) in (RowvLLMParameter, BasevLLMParameter):
@@ -616,25 +833,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
         tp_size = self.tp_size
 
-        if isinstance(param, BlockQuantScaleParameter):
-            raise NotImplementedError("FP8 is not implemented yet")
-            # FIXME(will): add fp8 support
-            # from vllm.model_executor.layers.quantization.fp8 import (
-            #     Fp8LinearMethod, Fp8MoEMethod)
-            # assert self.quant_method is not None
-            # assert isinstance(self.quant_method,
-            #                   (Fp8LinearMethod, Fp8MoEMethod))
-            # weight_block_size = self.quant_method.quant_config.weight_block_size
-            # assert weight_block_size is not None
-            # block_n, _ = weight_block_size[0], weight_block_size[1]
-            # shard_offset = (
-            #     (sum(self.output_sizes[:loaded_shard_id]) + block_n - 1) //
-            #     block_n) // tp_size
-            # shard_size = ((self.output_sizes[loaded_shard_id] + block_n - 1) //
-            #               block_n // tp_size)
-        else:
-            shard_offset = sum(self.output_sizes[:loaded_shard_id]) // tp_size
-            shard_size = self.output_sizes[loaded_shard_id] // tp_size
+        shard_offset = sum(self.output_sizes[:loaded_shard_id]) // tp_size
+        shard_size = self.output_sizes[loaded_shard_id] // tp_size
 
         param.load_merged_column_weight(
             loaded_weight=loaded_weight,
@@ -642,6 +842,53 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             shard_offset=shard_offset,
             shard_size=shard_size,
         )
+
+    def _weight_loader_v2_block_quant_scale(
+        self,
+        param: BlockQuantScaleParameter,
+        loaded_weight: torch.Tensor,
+        loaded_shard_id: int | None = None,
+    ) -> None:
+        assert self.quant_method is not None
+        weight_block_size = getattr(
+            self.quant_method.quant_config, "weight_block_size", None
+        )
+        if weight_block_size is None:
+            raise ValueError(
+                "MergedColumnParallelLinear block-scale loading requires "
+                "quant_config.weight_block_size."
+            )
+        block_n, _ = weight_block_size
+        output_dim = param.output_dim
+
+        if loaded_shard_id is None:
+            if param.data.shape == loaded_weight.shape:
+                param.data.copy_(loaded_weight)
+                return
+
+            block_offset = 0
+            for shard_id, output_size in enumerate(self.output_sizes):
+                block_size = divide(output_size, block_n)
+                loaded_weight_shard = loaded_weight.narrow(
+                    output_dim, block_offset, block_size
+                )
+                self._weight_loader_v2_block_quant_scale(
+                    param, loaded_weight_shard, shard_id
+                )
+                block_offset += block_size
+            return
+
+        assert loaded_shard_id < len(self.output_sizes)
+        shard_offset = divide(sum(self.output_sizes[:loaded_shard_id]), self.tp_size)
+        shard_size = divide(self.output_sizes[loaded_shard_id], self.tp_size)
+        block_shard_offset = divide(shard_offset, block_n)
+        block_shard_size = divide(shard_size, block_n)
+
+        param_data = param.data.narrow(output_dim, block_shard_offset, block_shard_size)
+        start_idx = self.tp_rank * block_shard_size
+        loaded_weight = loaded_weight.narrow(output_dim, start_idx, block_shard_size)
+        assert param_data.shape == loaded_weight.shape
+        param_data.copy_(loaded_weight)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -790,6 +1037,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     ):
         if loaded_shard_id is None:  # special case for certain models
             if isinstance(param, PerTensorScaleParameter):
+                if loaded_weight.numel() == 1 and param.data.numel() > 1:
+                    param.data.fill_(loaded_weight.reshape(-1)[0])
+                    return
+                if loaded_weight.shape == param.data.shape:
+                    param.data.copy_(loaded_weight)
+                    return
                 param.load_qkv_weight(loaded_weight=loaded_weight, shard_id=0)
                 return
             elif type(param) in (RowvLLMParameter, BasevLLMParameter):
@@ -818,7 +1071,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         loaded_weight: torch.Tensor,
         loaded_shard_id: str | None = None,
     ):
-
         param_data = param.data
         output_dim = getattr(param, "output_dim", None)
         # Special case for AQLM codebooks.
@@ -855,7 +1107,6 @@ class QKVParallelLinear(ColumnParallelLinear):
             ]
 
             for shard_id, shard_offset, shard_size in shard_offsets:
-
                 loaded_weight_shard = loaded_weight.narrow(
                     output_dim, shard_offset, shard_size
                 )
@@ -880,7 +1131,6 @@ class QKVParallelLinear(ColumnParallelLinear):
             is_sharded_weight = getattr(param, "is_sharded_weight", False)
             # bitsandbytes loads the weights of the specific portion
             # no need to narrow
-            is_sharded_weight = is_sharded_weight
 
             shard_idx = 0
             param_data = param_data.narrow(output_dim, shard_offset, shard_size)
@@ -941,6 +1191,8 @@ class RowParallelLinear(LinearBase):
                        We skip adding bias but instead return it.
         params_dtype: Data type for the parameters.
         quant_config: Quantization configure.
+        input_sizes: Logical input segments sharded independently before
+                     concatenation. Requires input_is_parallel=True.
     """
 
     def __init__(
@@ -955,11 +1207,20 @@ class RowParallelLinear(LinearBase):
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
         tp_group: dist.ProcessGroup = None,
+        input_sizes: list[int] | None = None,
     ):
         # Divide the weight matrix along the first dimension.
         self.tp_group = tp_group or get_tp_group()
         self.tp_rank = get_group_rank(self.tp_group)
         self.tp_size = get_group_size(self.tp_group)
+        self.input_sizes = input_sizes
+        if input_sizes is not None:
+            if not input_is_parallel or sum(input_sizes) != input_size:
+                raise ValueError(
+                    "input_sizes must sum to input_size and use parallel inputs"
+                )
+            for size in input_sizes:
+                divide(size, self.tp_size)
         self.input_size_per_partition = divide(input_size, self.tp_size)
         self.output_size_per_partition = output_size
         self.output_partition_sizes = [output_size]
@@ -981,7 +1242,7 @@ class RowParallelLinear(LinearBase):
             params_dtype=self.params_dtype,
             weight_loader=(
                 self.weight_loader_v2
-                if self.quant_method.__class__.__name__ in WEIGHT_LOADER_V2_SUPPORTED
+                if _uses_weight_loader_v2(self.quant_method)
                 else self.weight_loader
             ),
         )
@@ -1004,29 +1265,26 @@ class RowParallelLinear(LinearBase):
             self.register_parameter("bias", None)
 
     def weight_loader(self, param: Parameter, loaded_weight: torch.Tensor):
-        tp_rank = self.tp_rank
-        input_dim = getattr(param, "input_dim", None)
-        is_sharded_weight = getattr(param, "is_sharded_weight", False)
-        # bitsandbytes loads the weights of the specific portion
-        # no need to narrow
-        is_sharded_weight = is_sharded_weight
-
-        param_data = param.data
-        if input_dim is not None and not is_sharded_weight:
-            shard_size = param_data.shape[input_dim]
-            start_idx = tp_rank * shard_size
-            loaded_weight = loaded_weight.narrow(input_dim, start_idx, shard_size)
-
-        # Special case for loading scales off disk, which often do not
-        # have a shape (such as in the case of AutoFP8).
-        if len(loaded_weight.shape) == 0:
-            loaded_weight = loaded_weight.reshape(1)
-
-        assert param_data.shape == loaded_weight.shape
-        param_data.copy_(loaded_weight)
+        _load_tensor_parallel_weight(
+            param,
+            loaded_weight,
+            self.tp_rank,
+            getattr(param, "input_dim", None),
+            self.input_sizes,
+            self.tp_size,
+        )
 
     def weight_loader_v2(self, param: BasevLLMParameter, loaded_weight: torch.Tensor):
-
+        if self.input_sizes is not None and isinstance(param, RowvLLMParameter):
+            _load_tensor_parallel_weight(
+                param,
+                loaded_weight,
+                self.tp_rank,
+                param.input_dim,
+                self.input_sizes,
+                self.tp_size,
+            )
+            return
         # Special case for loading scales off disk, which often do not
         # have a shape (such as in the case of AutoFP8).
         if len(loaded_weight.shape) == 0:

@@ -10,7 +10,8 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch.library import Library
 
-from sglang.multimodal_gen.runtime.platforms import current_platform
+import sglang.multimodal_gen.runtime.platforms as platforms
+from sglang.kernels.kernel_api_logging import debug_torch_op
 
 
 def get_group_size(group) -> int:
@@ -31,23 +32,6 @@ def get_group_rank(group) -> int:
         raise ValueError(f"Unsupported group type: {type(group)}")
 
 
-def get_token_bin_counts_and_mask(
-    tokens: torch.Tensor,
-    vocab_size: int,
-    num_seqs: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Compute the bin counts for the tokens.
-    # vocab_size + 1 for padding.
-    bin_counts = torch.zeros(
-        (num_seqs, vocab_size + 1), dtype=torch.long, device=tokens.device
-    )
-    bin_counts.scatter_add_(1, tokens, torch.ones_like(tokens))
-    bin_counts = bin_counts[:, :vocab_size]
-    mask = bin_counts > 0
-
-    return bin_counts, mask
-
-
 sglang_lib = Library("sglang", "FRAGMENT")  # noqa
 
 
@@ -61,7 +45,7 @@ def direct_register_custom_op(
     """
     `torch.library.custom_op` can have significant overhead because it
     needs to consider complicated dispatching logic. This function
-    directly registers a custom op and dispatches it to the CUDA backend.
+    directly registers a custom op for the active platform's dispatch key.
     See https://gist.github.com/youkaichao/ecbea9ec9fc79a45d2adce1784d7a9a5
     for more details.
 
@@ -95,18 +79,14 @@ def direct_register_custom_op(
         # Operator doesn't exist, proceed with registration
         pass
 
-    if hasattr(torch.library, "infer_schema"):
-        schema_str = torch.library.infer_schema(op_func, mutates_args=mutates_args)
-    else:
-        # for pytorch 2.4
-        import torch._custom_op.impl
-
-        schema_str = torch._custom_op.impl.infer_schema(op_func, mutates_args)
+    schema_str = torch.library.infer_schema(op_func, mutates_args=mutates_args)
 
     try:
         my_lib.define(op_name + schema_str)
         my_lib.impl(
-            op_name, op_func, "CUDA" if not current_platform.is_npu() else "PrivateUse1"
+            op_name,
+            op_func,
+            platforms.current_platform.get_torch_library_dispatch_key(),
         )
         if fake_impl is not None:
             my_lib._register_fake(op_name, fake_impl)
@@ -120,9 +100,6 @@ def direct_register_custom_op(
         else:
             # Re-raise other RuntimeErrors
             raise error
-    except AttributeError as error:
-        # Always re-raise AttributeError as it indicates missing dependencies
-        raise error
 
 
 class CustomOpWrapper:
@@ -146,7 +123,6 @@ class CustomOpWrapper:
     def real_impl(self) -> Callable:
         if self._impl is None:
             if not hasattr(torch.ops.sglang, self.op_name):
-
                 # NOTE(dark): if torch compile fail here, mark the decorator as eager
                 # lazy registration does not work with torch compile
                 direct_register_custom_op(
@@ -155,7 +131,7 @@ class CustomOpWrapper:
                     mutates_args=self.mutates_args,
                     fake_impl=self.fake_impl,
                 )
-            self._impl = getattr(torch.ops.sglang, self.op_name)
+            self._impl = debug_torch_op(self.op_func, self.op_name)
             assert self._impl is not None
         return self._impl
 
@@ -239,15 +215,15 @@ def register_custom_op(
     """
     extra_kwarg_keys = set(extra_kwargs.keys())
     expected_kwarg_keys = set({"out_shape", "fake_impl"})
-    assert (
-        expected_kwarg_keys >= extra_kwarg_keys
-    ), f"Unexpected extra kwargs: {extra_kwarg_keys - expected_kwarg_keys}"
+    assert expected_kwarg_keys >= extra_kwarg_keys, (
+        f"Unexpected extra kwargs: {extra_kwarg_keys - expected_kwarg_keys}"
+    )
 
     has_out_shape = "out_shape" in extra_kwargs
     has_fake_impl = "fake_impl" in extra_kwargs
-    assert not (
-        has_out_shape and has_fake_impl
-    ), "Only one of `out_shape` or `fake_impl` should be provided."
+    assert not (has_out_shape and has_fake_impl), (
+        "Only one of `out_shape` or `fake_impl` should be provided."
+    )
     # Assume inplace if neither out_shape nor fake_impl is provided
     if not (has_out_shape or has_fake_impl):
         extra_kwargs["out_shape"] = None

@@ -2,51 +2,53 @@
 
 # SPDX-License-Identifier: Apache-2.0
 # Adapted from vllm: https://github.com/vllm-project/vllm/blob/v0.7.3/vllm/forward_context.py
-import time
-from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Type
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 import torch
-
-from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 
 if TYPE_CHECKING:
     from sglang.multimodal_gen.runtime.layers.attention import AttentionMetadata
     from sglang.multimodal_gen.runtime.pipelines_core import Req
 
-logger = init_logger(__name__)
-
-# TODO(will): check if this is needed
-# track_batchsize: bool = envs.SGLANG_DIFFUSION_LOG_BATCHSIZE_INTERVAL >= 0
-track_batchsize: bool = False
-last_logging_time: float = 0
-forward_start_time: float = 0
-# batchsize_logging_interval: float = envs.SGLANG_DIFFUSION_LOG_BATCHSIZE_INTERVAL
-batchsize_logging_interval: float = 1000
-batchsize_forward_time: defaultdict = defaultdict(list)
+# Req.extra key for what models keep for one denoising loop (Wan's text K/V): the denoising
+# stage drops it when the loop ends; the leading "_" keeps it out of request transfers
+DENOISING_LOOP_STATE = "_denoising_loop_state"
 
 
 @dataclass
 class ForwardContext:
     current_timestep: int
-    # TODO(will): check this arg
-    # copy from vllm_config.compilation_config.static_forward_context
-    # attn_layers: Dict[str, Any]
-    # TODO: extend to support per-layer dynamic forward context
     attn_metadata: "AttentionMetadata"  # set dynamically for each forward pass
     forward_batch: Optional["Req"] = None
-    attention_backend_cls: Optional[Type] = None
+    _trtllm_gen_sequence_metadata_cache: dict[
+        tuple[int, int, int, int],
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ] = field(default_factory=dict)
 
-    def set_attn_backend_cls(self, attention_backend_cls: Type):
-        if self.attention_backend_cls:
-            if self.attention_backend_cls != attention_backend_cls:
-                raise RuntimeError(
-                    f"Different types of attention backend in a same context detected, previous: {self.attention_backend_cls}, new: {attention_backend_cls}"
-                )
-        else:
-            self.attention_backend_cls = attention_backend_cls
+    @torch.compiler.disable
+    def get_trtllm_gen_sequence_metadata(
+        self, device_index: int, batch: int, q_len: int, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return shared dense ragged-attention metadata for this model forward."""
+        key = (device_index, batch, q_len, kv_len)
+        metadata = self._trtllm_gen_sequence_metadata_cache.get(key)
+        if metadata is None:
+            # Built on the device: a host-to-device copy cannot be captured by
+            # a CUDA graph.
+            device = torch.device("cuda", device_index)
+            metadata = (
+                torch.arange(
+                    0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=device
+                ),
+                torch.arange(
+                    0, (batch + 1) * kv_len, kv_len, dtype=torch.int32, device=device
+                ),
+                torch.full((batch,), kv_len, dtype=torch.int32, device=device),
+            )
+            self._trtllm_gen_sequence_metadata_cache[key] = metadata
+        return metadata
 
 
 _forward_context: Optional["ForwardContext"] = None
@@ -61,7 +63,10 @@ def get_forward_context() -> "ForwardContext":
     return _forward_context
 
 
-# TODO(will): finalize the interface
+def get_forward_context_or_none() -> "ForwardContext | None":
+    return _forward_context
+
+
 @contextmanager
 def set_forward_context(
     current_timestep, attn_metadata, forward_batch: Optional["Req"] = None
@@ -70,10 +75,6 @@ def set_forward_context(
     can be attention metadata, etc.
     Here we can inject common logic for every model forward pass.
     """
-    global forward_start_time
-    need_to_track_batchsize = track_batchsize and attn_metadata is not None
-    if need_to_track_batchsize:
-        forward_start_time = time.perf_counter()
     global _forward_context
     prev_context = _forward_context
     _forward_context = ForwardContext(
@@ -85,36 +86,4 @@ def set_forward_context(
     try:
         yield
     finally:
-        global last_logging_time, batchsize_logging_interval
-        if need_to_track_batchsize:
-            if hasattr(attn_metadata, "num_prefill_tokens"):
-                # for v0 attention backends
-                batchsize = (
-                    attn_metadata.num_prefill_tokens + attn_metadata.num_decode_tokens
-                )
-            else:
-                # for v1 attention backends
-                batchsize = attn_metadata.num_input_tokens
-            now = time.perf_counter()
-            # time measurement is in milliseconds
-            batchsize_forward_time[batchsize].append((now - forward_start_time) * 1000)
-            if now - last_logging_time > batchsize_logging_interval:
-                last_logging_time = now
-                forward_stats = []
-                for bs, times in batchsize_forward_time.items():
-                    if len(times) <= 1:
-                        # can be cudagraph / profiling run
-                        continue
-                    medium = torch.quantile(torch.tensor(times), q=0.5).item()
-                    medium = round(medium, 2)
-                    forward_stats.append((bs, len(times), medium))
-                forward_stats.sort(key=lambda x: x[1], reverse=True)
-                if forward_stats:
-                    logger.info(
-                        (
-                            "Batchsize forward time stats "
-                            "(batchsize, count, median_time(ms)): %s"
-                        ),
-                        forward_stats,
-                    )
         _forward_context = prev_context

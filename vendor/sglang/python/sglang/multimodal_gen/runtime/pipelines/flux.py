@@ -2,34 +2,20 @@
 
 # SPDX-License-Identifier: Apache-2.0
 
+from sglang.multimodal_gen.configs.pipeline_configs.flux import FluxPipelineConfig
+from sglang.multimodal_gen.configs.sample.flux import FluxSamplingParams
 from sglang.multimodal_gen.runtime.pipelines_core import LoRAPipeline
 from sglang.multimodal_gen.runtime.pipelines_core.composed_pipeline_base import (
     ComposedPipelineBase,
 )
+from sglang.multimodal_gen.runtime.pipelines_core.diffusion_scheduler_utils import (
+    calculate_linear_shift,
+)
 from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
-from sglang.multimodal_gen.runtime.pipelines_core.stages import (
-    InputValidationStage,
-    TextEncodingStage,
+from sglang.multimodal_gen.runtime.pipelines_core.stages.progressive_resolution.flux import (
+    FluxProgressiveDenoisingStage,
 )
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
-from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
-
-# TODO(will): move PRECISION_TO_TYPE to better place
-
-logger = init_logger(__name__)
-
-
-def calculate_shift(
-    image_seq_len,
-    base_seq_len: int = 256,
-    max_seq_len: int = 4096,
-    base_shift: float = 0.5,
-    max_shift: float = 1.15,
-):
-    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    b = base_shift - m * base_seq_len
-    mu = image_seq_len * m + b
-    return mu
 
 
 def prepare_mu(batch: Req, server_args: ServerArgs):
@@ -38,21 +24,20 @@ def prepare_mu(batch: Req, server_args: ServerArgs):
     vae_scale_factor = (
         server_args.pipeline_config.vae_config.arch_config.vae_scale_factor
     )
-    image_seq_len = (int(height) // vae_scale_factor) * (int(width) // vae_scale_factor)
-
-    mu = calculate_shift(
-        image_seq_len,
-        # hard code, since scheduler_config is not in PipelineConfig now
-        256,
-        4096,
-        0.5,
-        1.15,
+    image_seq_len = (int(height) // (vae_scale_factor * 2)) * (
+        int(width) // (vae_scale_factor * 2)
     )
-    return "mu", mu
+
+    return "mu", calculate_linear_shift(image_seq_len)
 
 
 class FluxPipeline(LoRAPipeline, ComposedPipelineBase):
     pipeline_name = "FluxPipeline"
+
+    # Used when the checkpoint is a single safetensors file with no
+    # model_index.json to derive these from.
+    pipeline_config_cls = FluxPipelineConfig
+    sampling_params_cls = FluxSamplingParams
 
     _required_config_modules = [
         "text_encoder",
@@ -65,26 +50,13 @@ class FluxPipeline(LoRAPipeline, ComposedPipelineBase):
     ]
 
     def create_pipeline_stages(self, server_args: ServerArgs):
-        self.add_stage(InputValidationStage())
-
-        self.add_stage(
-            TextEncodingStage(
-                text_encoders=[
-                    self.get_module("text_encoder"),
-                    self.get_module("text_encoder_2"),
-                ],
-                tokenizers=[
-                    self.get_module("tokenizer"),
-                    self.get_module("tokenizer_2"),
-                ],
-            ),
-            "prompt_encoding_stage_primary",
+        self.add_standard_t2i_stages(
+            text_encoder_key=["text_encoder", "text_encoder_2"],
+            tokenizer_key=["tokenizer", "tokenizer_2"],
+            text_encoding_stage_name="prompt_encoding_stage_primary",
+            prepare_extra_timestep_kwargs=[prepare_mu],
+            progressive_denoising_stage_cls=FluxProgressiveDenoisingStage,
         )
-
-        self.add_standard_timestep_preparation_stage(prepare_extra_kwargs=[prepare_mu])
-        self.add_standard_latent_preparation_stage()
-        self.add_standard_denoising_stage()
-        self.add_standard_decoding_stage()
 
 
 EntryClass = FluxPipeline

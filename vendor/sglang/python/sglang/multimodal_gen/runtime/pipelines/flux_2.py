@@ -1,16 +1,16 @@
 # Copied and adapted from: https://github.com/hao-ai-lab/FastVideo
 # SPDX-License-Identifier: Apache-2.0
 
-from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
 from sglang.multimodal_gen.runtime.pipelines_core import LoRAPipeline, Req
 from sglang.multimodal_gen.runtime.pipelines_core.composed_pipeline_base import (
     ComposedPipelineBase,
 )
+from sglang.multimodal_gen.runtime.pipelines_core.stages.progressive_resolution.flux_2 import (
+    Flux2ProgressiveDenoisingStage,
+)
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
-from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
-
-logger = init_logger(__name__)
 
 
 def compute_empirical_mu(batch: Req, server_args: ServerArgs):
@@ -45,7 +45,7 @@ class Flux2Pipeline(LoRAPipeline, ComposedPipelineBase):
     ]
 
     def create_pipeline_stages(self, server_args: ServerArgs):
-        vae_image_processor = VaeImageProcessor(
+        vae_image_processor = Flux2ImageProcessor(
             vae_scale_factor=server_args.pipeline_config.vae_config.arch_config.vae_scale_factor
             * 2
         )
@@ -56,6 +56,7 @@ class Flux2Pipeline(LoRAPipeline, ComposedPipelineBase):
             prompt_encoding="text",
             image_vae_stage_kwargs={"vae_image_processor": vae_image_processor},
             prepare_extra_timestep_kwargs=[compute_empirical_mu],
+            progressive_denoising_stage_cls=Flux2ProgressiveDenoisingStage,
         )
 
 

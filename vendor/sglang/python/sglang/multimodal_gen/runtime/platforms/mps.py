@@ -10,7 +10,6 @@ from sglang.multimodal_gen.runtime.platforms import (
     Platform,
     PlatformEnum,
 )
-from sglang.multimodal_gen.runtime.platforms.interface import DeviceCapability
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 
 # SPDX-License-Identifier: Apache-2.0
@@ -32,37 +31,31 @@ class MpsPlatform(Platform):
         return False
 
     @classmethod
+    @lru_cache(maxsize=1)
+    def is_float64_supported(cls) -> bool:
+        return False
+
+    @classmethod
     def get_local_torch_device(cls) -> torch.device:
         return torch.device("mps")
 
     @classmethod
-    def get_device_capability(cls, device_id: int = 0) -> DeviceCapability | None:
-        raise NotImplementedError
+    def set_device(cls, device: torch.device) -> None:
+        pass
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
-        raise NotImplementedError
+        return "Apple Silicon MPS"
 
     @classmethod
     def get_device_uuid(cls, device_id: int = 0) -> str:
-        raise NotImplementedError
+        return "mps"
 
     @classmethod
     @lru_cache(maxsize=1)
     def get_device_total_memory(cls, device_id: int = 0) -> int:
 
         return psutil.virtual_memory().total
-
-    @classmethod
-    def is_async_output_supported(cls, enforce_eager: bool | None) -> bool:
-        if enforce_eager:
-            logger.warning(
-                "To see benefits of async output processing, enable MPS "
-                "graph. Since, enforce-eager is enabled, async output "
-                "processor cannot be used"
-            )
-            return False
-        return True
 
     @classmethod
     def get_current_memory_usage(
@@ -73,7 +66,7 @@ class MpsPlatform(Platform):
     @classmethod
     def get_available_gpu_memory(
         cls,
-        device_id: int = 0,
+        device_id: int | None = None,
         distributed: bool = False,
         empty_cache: bool = True,
         cpu_group: Any = None,
@@ -108,9 +101,11 @@ class MpsPlatform(Platform):
         )
 
     @classmethod
-    def get_device_communicator_cls(cls) -> str:
-        # Use base communicator for MPS
-        return "sglang.multimodal_gen.runtime.distributed.device_communicators.base_device_communicator.DeviceCommunicatorBase"
+    def get_all_to_all_communicator_cls(cls) -> str:
+        return (
+            "sglang.multimodal_gen.runtime.distributed.device_communicators."
+            "cpu_communicator.CpuCommunicator"
+        )
 
     @classmethod
     def seed_everything(cls, seed: int | None = None) -> None:

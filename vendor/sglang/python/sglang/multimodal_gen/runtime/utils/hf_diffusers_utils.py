@@ -18,11 +18,11 @@
 # ==============================================================================
 """Utilities for Huggingface Transformers."""
 
-import contextlib
 import glob
 import json
 import os
 import shutil
+import tempfile
 import time
 from functools import reduce
 from pathlib import Path
@@ -32,23 +32,176 @@ from diffusers.loaders.lora_base import (
     _best_guess_weight_name,  # watch out for potetential removal from diffusers
 )
 from huggingface_hub.errors import (
+    EntryNotFoundError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
 from requests.exceptions import ConnectionError as RequestsConnectionError
 from requests.exceptions import RequestException
-from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from sglang.multimodal_gen.runtime.loader.utils import _clean_hf_config_inplace
 from sglang.multimodal_gen.runtime.loader.weight_utils import get_lock
 from sglang.multimodal_gen.runtime.platforms import current_platform
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+from sglang.multimodal_gen.runtime.utils.model_overlay import (
+    maybe_load_overlay_model_index,
+    maybe_resolve_overlay_model_path,
+)
+from sglang.multimodal_gen.runtime.utils.quantization_utils import (
+    normalize_flat_modelopt_quant_config,
+)
+from sglang.multimodal_gen.runtime.weights.source import resolve_weight
 from sglang.srt.environ import envs
+from sglang.srt.utils.hf_transformers import check_gguf_file
 from sglang.utils import is_in_ci
 
 logger = init_logger(__name__)
+
+
+_NON_WEIGHT_DIFFUSERS_COMPONENT_HINTS = (
+    "tokenizer",
+    "scheduler",
+    "processor",
+    "feature_extractor",
+)
+_WEIGHT_FILE_PATTERNS = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+)
+
+
+def _model_hub_name() -> str:
+    return "ModelScope" if envs.SGLANG_USE_MODELSCOPE.get() else "Hugging Face Hub"
+
+
+def _is_revisionless_snapshot_root(local_path: str) -> bool:
+    """Detect a resolved "snapshot" that is really the ``snapshots/`` parent.
+
+    An empty ``refs/<revision>`` makes the offline resolver join ``""`` onto
+    ``snapshots/`` and return the parent, which holds only revision subdirectories.
+    The ``models--*`` folder above is required too, since a ``local_dir`` may
+    legitimately be named ``snapshots``.
+    """
+    head, tail = os.path.split(os.path.normpath(local_path))
+    return tail == "snapshots" and os.path.basename(head).split("--")[0] in (
+        "models",
+        "datasets",
+        "spaces",
+    )
+
+
+def _snapshot_has_files(
+    local_path: str,
+    allow_patterns: Optional[Union[list[str], str]],
+) -> bool:
+    patterns = (
+        [allow_patterns]
+        if isinstance(allow_patterns, str)
+        else allow_patterns or ["**/*"]
+    )
+    return any(
+        os.path.isfile(candidate)
+        for pattern in patterns
+        for candidate in glob.iglob(
+            os.path.join(local_path, pattern),
+            recursive=True,
+        )
+    )
+
+
+def _is_modelscope_not_found_error(error: BaseException) -> bool:
+    if not envs.SGLANG_USE_MODELSCOPE.get():
+        return False
+
+    from modelscope.hub.errors import NotExistError
+
+    current: Optional[BaseException] = error
+    while current is not None:
+        if isinstance(current, NotExistError):
+            return True
+        current = current.__cause__
+    return False
+
+
+def _is_diffusers_component_entry(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(item is None or isinstance(item, str) for item in value)
+    )
+
+
+def _is_weight_bearing_diffusers_component(key: str, value: Any) -> bool:
+    if (
+        key.startswith("_")
+        or not _is_diffusers_component_entry(value)
+        or not any(item is not None for item in value)
+    ):
+        return False
+
+    key_lower = key.lower()
+    return not any(hint in key_lower for hint in _NON_WEIGHT_DIFFUSERS_COMPONENT_HINTS)
+
+
+def _get_declared_weight_component_dirs(model_path: str) -> list[str]:
+    model_index_path = _local_model_index_path(model_path)
+    if not os.path.exists(model_index_path):
+        return []
+
+    try:
+        model_index = _read_model_index(model_index_path)
+    except Exception as exc:
+        logger.warning(
+            "Failed to read model_index.json at %s: %s", model_index_path, exc
+        )
+        return []
+
+    return [
+        key
+        for key, value in model_index.items()
+        if _is_weight_bearing_diffusers_component(key, value)
+    ]
+
+
+def _has_local_weight_files(component_path: str) -> bool:
+    return any(
+        glob.glob(os.path.join(component_path, pattern))
+        for pattern in _WEIGHT_FILE_PATTERNS
+    )
+
+
+def _get_missing_declared_weight_components(model_path: str) -> list[str]:
+    missing_files = []
+    for component_dir in _get_declared_weight_component_dirs(model_path):
+        component_path = os.path.join(model_path, component_dir)
+        if not os.path.isdir(component_path):
+            missing_files.append(f"{component_dir}/")
+        elif not _has_local_weight_files(component_path):
+            missing_files.append(f"{component_dir}/<weights>")
+    return missing_files
+
+
+def _is_metadata_only_pipeline_snapshot(model_path: str) -> bool:
+    """Detect a snapshot holding only pipeline metadata, with no component weights.
+
+    ``maybe_download_model_index`` probes a repo by fetching just ``model_index.json``;
+    that single-file fetch materializes a full cache entry, so a later
+    ``local_files_only`` snapshot resolves it as a hit — offline there is no remote file
+    list to tell "cached" from "fully cached", so completeness must be read off disk.
+
+    Requires *all* declared components missing, not any: a partially populated snapshot
+    is legitimate (``allow_patterns``-filtered fetch), so only total absence is
+    unambiguously the probe stub. No declarations means no evidence to act on.
+    """
+    declared = _get_declared_weight_component_dirs(model_path)
+    if not declared:
+        return False
+    return len(_get_missing_declared_weight_components(model_path)) == len(declared)
 
 
 def _check_index_files_for_missing_shards(
@@ -68,9 +221,15 @@ def _check_index_files_for_missing_shards(
     """
     missing_files = []
     checked_subdirs = []
+    checked_subdir_set = set()
 
-    # Check the root directory and all subdirectories that might contain model weights
-    dirs_to_check = [model_path]
+    def _record_checked_subdir(dir_path: str) -> None:
+        subdir = os.path.basename(dir_path)
+        if not subdir:
+            subdir = "."
+        if subdir not in checked_subdir_set:
+            checked_subdirs.append(subdir)
+            checked_subdir_set.add(subdir)
 
     # Add common subdirectories for diffusers models
     try:
@@ -78,6 +237,13 @@ def _check_index_files_for_missing_shards(
     except OSError as e:
         logger.warning("Failed to list model directory %s: %s", model_path, e)
         return True, [], []  # Assume valid if we can't check
+
+    # Check the root directory and all subdirectories that might contain model weights
+    dirs_to_check = [model_path]
+
+    for component_dir in _get_declared_weight_component_dirs(model_path):
+        _record_checked_subdir(os.path.join(model_path, component_dir))
+    missing_files.extend(_get_missing_declared_weight_components(model_path))
 
     for subdir in subdirs:
         subdir_path = os.path.join(model_path, subdir)
@@ -89,7 +255,7 @@ def _check_index_files_for_missing_shards(
         index_files = glob.glob(os.path.join(dir_path, "*.safetensors.index.json"))
 
         for index_file in index_files:
-            checked_subdirs.append(os.path.basename(dir_path))
+            _record_checked_subdir(dir_path)
             try:
                 with open(index_file) as f:
                     index_data = json.load(f)
@@ -176,7 +342,6 @@ def _ci_validate_diffusers_model(model_path: str) -> tuple[bool, bool]:
     """
     if not is_in_ci():
         return True, False
-
     is_valid, missing_files, checked_subdirs = _check_index_files_for_missing_shards(
         model_path
     )
@@ -206,23 +371,33 @@ def _ci_validate_diffusers_model(model_path: str) -> tuple[bool, bool]:
     return True, False
 
 
-_CONFIG_REGISTRY: dict[str, type[PretrainedConfig]] = {
-    # ChatGLMConfig.model_type: ChatGLMConfig,
-    # DbrxConfig.model_type: DbrxConfig,
-    # ExaoneConfig.model_type: ExaoneConfig,
-    # Qwen2_5_VLConfig.model_type: Qwen2_5_VLConfig,
-}
+def _verify_diffusers_model_complete(path: str) -> bool:
+    """Check if a diffusers model directory has all required component subdirectories."""
+    config_path = _local_model_index_path(path)
+    if not os.path.exists(config_path):
+        return False
 
-for name, cls in _CONFIG_REGISTRY.items():
-    with contextlib.suppress(ValueError):
-        AutoConfig.register(name, cls)
+    try:
+        model_index = _read_model_index(config_path)
+    except Exception as exc:
+        logger.warning("Failed to read model_index.json at %s: %s", config_path, exc)
+        return False
 
+    component_keys = [
+        key
+        for key, value in model_index.items()
+        if not key.startswith("_")
+        and _is_diffusers_component_entry(value)
+        and any(item is not None for item in value)
+    ]
+    if component_keys:
+        return all(
+            os.path.exists(os.path.join(path, key)) for key in component_keys
+        ) and not _get_missing_declared_weight_components(path)
 
-def download_from_hf(model_path: str):
-    if os.path.exists(model_path):
-        return model_path
-
-    return snapshot_download(model_path, allow_patterns=["*.json", "*.bin", "*.model"])
+    return os.path.exists(os.path.join(path, "transformer")) and os.path.exists(
+        os.path.join(path, "vae")
+    )
 
 
 def get_hf_config(
@@ -232,8 +407,7 @@ def get_hf_config(
     model_override_args: dict | None = None,
     **kwargs,
 ) -> PretrainedConfig:
-    is_gguf = check_gguf_file(component_model_path)
-    if is_gguf:
+    if check_gguf_file(component_model_path):
         raise NotImplementedError("GGUF models are not supported.")
 
     config = AutoConfig.from_pretrained(
@@ -242,37 +416,8 @@ def get_hf_config(
         revision=revision,
         **kwargs,
     )
-    if config.model_type in _CONFIG_REGISTRY:
-        config_class = _CONFIG_REGISTRY[config.model_type]
-        config = config_class.from_pretrained(component_model_path, revision=revision)
-        # NOTE(HandH1998): Qwen2VL requires `_name_or_path` attribute in `config`.
-        config._name_or_path = component_model_path
     if model_override_args:
         config.update(model_override_args)
-
-    # Special architecture mapping check for GGUF models
-    if is_gguf:
-        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise RuntimeError(f"Can't get gguf config for {config.model_type}.")
-        model_type = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
-        config.update({"architectures": [model_type]})
-
-    return config
-
-
-def get_config(
-    model: str,
-    trust_remote_code: bool,
-    revision: Optional[str] = None,
-    model_override_args: Optional[dict] = None,
-    **kwargs,
-):
-    try:
-        config = AutoConfig.from_pretrained(
-            model, trust_remote_code=trust_remote_code, revision=revision, **kwargs
-        )
-    except ValueError as e:
-        raise e
 
     return config
 
@@ -294,72 +439,150 @@ def load_dict(file_path):
         ) from e
 
 
+def _split_hf_subfolder(path: str) -> tuple[str, str | None]:
+    """Split 'namespace/repo/subfolder' into (repo_id, subfolder), or return (path, None)."""
+    if os.path.isabs(path):
+        return path, None
+    parts = path.split("/")
+    if len(parts) > 2:
+        return "/".join(parts[:2]), "/".join(parts[2:])
+    return path, None
+
+
+def prepare_diffusers_component_path_for_loading(component_path: str) -> str:
+    """Download component repos if needed and patch legacy flat ModelOpt configs."""
+    if os.path.exists(component_path):
+        local_component_path = component_path
+    else:
+        repo_id, subfolder = _split_hf_subfolder(component_path)
+        if subfolder is not None:
+            # component_path is 'namespace/repo/subfolder' — download only that subfolder
+            local_repo = maybe_download_model(
+                repo_id,
+                allow_patterns=[f"{subfolder}/**", f"{subfolder}/*"],
+            )
+            local_component_path = os.path.join(local_repo, subfolder)
+        else:
+            local_component_path = maybe_download_model(component_path)
+    config_path = os.path.join(local_component_path, "config.json")
+    if not os.path.exists(config_path):
+        return local_component_path
+
+    with get_lock(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as f:
+                config = cast(dict[str, Any], json.load(f))
+        except Exception as exc:
+            logger.warning("Failed to read component config %s: %s", config_path, exc)
+            return local_component_path
+
+        quant_config = config.get("quantization_config")
+        normalized_quant_config = normalize_flat_modelopt_quant_config(quant_config)
+        if normalized_quant_config == quant_config:
+            return local_component_path
+
+        config["quantization_config"] = normalized_quant_config
+        try:
+            # HF snapshot files are symlinks to shared blobs: replace, don't write through.
+            fd, tmp_path = tempfile.mkstemp(
+                dir=os.path.dirname(config_path), suffix=".tmp"
+            )
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(config, f, indent=2, sort_keys=True)
+                    f.write("\n")
+                shutil.copymode(config_path, tmp_path)
+                os.replace(tmp_path, config_path)
+            finally:
+                if os.path.exists(tmp_path):
+                    os.remove(tmp_path)
+        except OSError as exc:
+            logger.warning(
+                "Could not persist normalized ModelOpt config at %s (%s); "
+                "normalization will be applied in memory at load time.",
+                config_path,
+                exc,
+            )
+        else:
+            logger.warning(
+                "Patched legacy flat ModelOpt quantization_config at %s with quant_type=%s "
+                "for diffusers compatibility.",
+                config_path,
+                normalized_quant_config.get("quant_type"),
+            )
+
+    return local_component_path
+
+
 def get_diffusers_component_config(
-    model_path: str,
+    component_path: str,
 ) -> dict[str, Any]:
     """Gets a configuration of a submodule for the given diffusers model."""
-
     # Download from HuggingFace Hub if path doesn't exist locally
-    if not os.path.exists(model_path):
-        model_path = maybe_download_model(model_path)
+    component_path = prepare_diffusers_component_path_for_loading(component_path)
 
-    # tokenizer
     config_names = ["generation_config.json"]
     # By default, we load config.json, but scheduler_config.json for scheduler
-    if "scheduler" in model_path:
+    if "scheduler" in os.path.basename(os.path.normpath(component_path)):
         config_names.append("scheduler_config.json")
     else:
         config_names.append("config.json")
 
     config_file_paths = [
-        os.path.join(model_path, config_name) for config_name in config_names
+        os.path.join(component_path, config_name) for config_name in config_names
     ]
 
     combined_config = reduce(
         lambda acc, path: acc | load_dict(path), config_file_paths, {}
     )
 
+    if "_class_name" not in combined_config:
+        # Some checkpoints (e.g. real Kandinsky6 exports, which declare
+        # "uses_patched_diffusers": true) omit "_class_name" from a
+        # component's own config.json, relying on the parent
+        # model_index.json's [library, class_name] entry for that component
+        # subfolder instead. Fall back to that so component loaders (which
+        # unconditionally pop "_class_name") still resolve the right class.
+        model_index_path = os.path.join(
+            os.path.dirname(os.path.normpath(component_path)), "model_index.json"
+        )
+        component_key = os.path.basename(os.path.normpath(component_path))
+        if os.path.exists(model_index_path):
+            try:
+                with open(model_index_path) as f:
+                    model_index = json.load(f)
+                entry = model_index.get(component_key)
+                class_name = (
+                    entry[-1] if isinstance(entry, (list, tuple)) and entry else entry
+                )
+                if class_name:
+                    combined_config["_class_name"] = str(class_name)
+            except Exception as exc:
+                logger.warning(
+                    "Failed to backfill _class_name for %s from %s: %s",
+                    component_path,
+                    model_index_path,
+                    exc,
+                )
+
+    quant_config = combined_config.get("quantization_config")
+    if quant_config is not None:
+        combined_config["quantization_config"] = normalize_flat_modelopt_quant_config(
+            quant_config
+        )
+
+    _clean_hf_config_inplace(combined_config)
+
+    logger.debug("HF model config: %s", combined_config)
+
     return combined_config
 
 
-# Models don't use the same configuration key for determining the maximum
-# context length.  Store them here so we can sanely check them.
-# NOTE: The ordering here is important. Some models have two of these and we
-# have a preference for which value gets used.
-CONTEXT_LENGTH_KEYS = [
-    "max_sequence_length",
-    "seq_length",
-    "max_seq_len",
-    "model_max_length",
-    "max_position_embeddings",
-]
-
-
-def attach_additional_stop_token_ids(tokenizer):
-    # Special handling for stop token <|eom_id|> generated by llama 3 tool use.
-    if "<|eom_id|>" in tokenizer.get_added_vocab():
-        tokenizer.additional_stop_token_ids = set(
-            [tokenizer.get_added_vocab()["<|eom_id|>"]]
-        )
-    else:
-        tokenizer.additional_stop_token_ids = None
-
-
-def check_gguf_file(model: str | os.PathLike) -> bool:
-    """Check if the file is a GGUF model."""
-    model = Path(model)
-    if not model.is_file():
-        return False
-    elif model.suffix == ".gguf":
-        return True
-
-    with open(model, "rb") as f:
-        header = f.read(4)
-    return header == b"GGUF"
-
-
 def maybe_download_lora(
-    model_name_or_path: str, local_dir: str | None = None, download: bool = True
+    model_name_or_path: str,
+    local_dir: str | None = None,
+    download: bool = True,
+    weight_name: str | None = None,
 ) -> str:
     """
     Check if the model path is a Hugging Face Hub model ID and download it if needed.
@@ -367,31 +590,103 @@ def maybe_download_lora(
         model_name_or_path: Local path or Hugging Face Hub model ID
         local_dir: Local directory to save the model
         download: Whether to download the model from Hugging Face Hub
+        weight_name: Specific safetensors filename to load (pins deterministic selection
+                     for repos with multiple weight files)
 
     Returns:
         Local path to the model
     """
-    allow_patterns = ["*.json", "*.safetensors", "*.bin"]
+    if envs.SGLANG_USE_MODELSCOPE.get():
+        allow_patterns = (
+            ["*.json", weight_name, f"**/{weight_name}"]
+            if weight_name is not None
+            else ["*.json", "*.safetensors", "*.bin"]
+        )
+        local_path = maybe_download_model(
+            model_name_or_path,
+            local_dir,
+            download,
+            is_lora=True,
+            allow_patterns=allow_patterns,
+        )
+        if os.path.isfile(local_path):
+            return local_path
+        if weight_name is not None:
+            target = os.path.join(local_path, weight_name)
+            if not os.path.isfile(target):
+                raise FileNotFoundError(
+                    f"Specified lora_weight_name '{weight_name}' not found in "
+                    f"{local_path}"
+                )
+            return target
+        guessed = _best_guess_weight_name(local_path, file_extension=".safetensors")
+        if guessed is None and current_platform.is_rocm():
+            guessed = _best_guess_weight_name(
+                model_name_or_path, file_extension=".safetensors"
+            )
+        if guessed is None:
+            raise FileNotFoundError(
+                f"No .safetensors LoRA weights found in {local_path}"
+            )
+        return os.path.join(local_path, guessed)
 
+    resolved_weight = resolve_weight(model_name_or_path, weight_name=weight_name)
+    selected_file = resolved_weight.selected_file
+    if not selected_file.endswith(".safetensors"):
+        raise ValueError(
+            "Native diffusion LoRA loading requires a safetensors file, got "
+            f"{selected_file!r}"
+        )
+
+    source = resolved_weight.inventory.source
+    if source.kind == "local":
+        assert source.local_path is not None
+        if os.path.isfile(source.local_path):
+            return source.local_path
+        return os.path.join(source.local_path, selected_file)
+
+    assert source.repo_id is not None
+    allow_patterns = ["*.json", selected_file]
+    selected_parent = os.path.dirname(selected_file)
+    if selected_parent:
+        allow_patterns.insert(1, f"{selected_parent}/*.json")
     local_path = maybe_download_model(
-        model_name_or_path,
+        source.repo_id,
         local_dir,
         download,
         is_lora=True,
         allow_patterns=allow_patterns,
+        revision=resolved_weight.inventory.resolved_revision or source.revision,
     )
-    # return directly if local_path is a file
-    if os.path.isfile(local_path):
-        return local_path
-
-    weight_name = _best_guess_weight_name(local_path, file_extension=".safetensors")
-    # AMD workaround: PR 15813 changed from model_name_or_path to local_path,
-    # which can return None. Fall back to original behavior on ROCm.
-    if weight_name is None and current_platform.is_rocm():
-        weight_name = _best_guess_weight_name(
-            model_name_or_path, file_extension=".safetensors"
+    target = os.path.join(local_path, selected_file)
+    if not os.path.isfile(target):
+        raise FileNotFoundError(
+            f"Resolved LoRA weight {selected_file!r} was not downloaded to {local_path}"
         )
-    return os.path.join(local_path, weight_name)
+    return target
+
+
+def _local_model_index_path(model_path: str) -> str:
+    standard = os.path.join(model_path, "model_index.json")
+    if os.path.isfile(standard):
+        return standard
+    return os.path.join(model_path, "modular_model_index.json")
+
+
+def _read_model_index(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        config = json.load(f)
+    if os.path.basename(path) == "modular_model_index.json":
+        config.pop("_blocks_class_name", None)
+        for name, spec in config.items():
+            if isinstance(spec, list) and len(spec) == 3 and isinstance(spec[2], dict):
+                # native loaders consume the component directories in this snapshot
+                if spec[2].get("subfolder", name) != name:
+                    raise ValueError(
+                        f"Modular component {name!r} must use its own subfolder"
+                    )
+                config[name] = spec[:2]
+    return config
 
 
 def verify_model_config_and_directory(model_path: str) -> dict[str, Any]:
@@ -406,16 +701,16 @@ def verify_model_config_and_directory(model_path: str) -> dict[str, Any]:
     """
 
     # Check for model_index.json which is required for diffusers models
-    config_path = os.path.join(model_path, "model_index.json")
+    config_path = _local_model_index_path(model_path)
     if not os.path.exists(config_path):
         raise ValueError(
-            f"Model directory {model_path} does not contain model_index.json. "
+            f"Model directory {model_path} does not contain model_index.json "
+            "or modular_model_index.json. "
             "Only HuggingFace diffusers format is supported."
         )
 
     # Load the config
-    with open(config_path) as f:
-        config = json.load(f)
+    config = _read_model_index(config_path)
 
     # Verify diffusers version exists
     if "_diffusers_version" not in config:
@@ -426,7 +721,8 @@ def verify_model_config_and_directory(model_path: str) -> dict[str, Any]:
     component_keys = [
         key
         for key, value in config.items()
-        if isinstance(value, (list, tuple))
+        if not key.startswith("_")
+        and isinstance(value, (list, tuple))
         and len(value) == 2
         and all(isinstance(item, str) for item in value)
     ]
@@ -456,6 +752,77 @@ def verify_model_config_and_directory(model_path: str) -> dict[str, Any]:
     return cast(dict[str, Any], config)
 
 
+def _resolve_remote_repo_model_index_path(
+    model_name_or_path: str, filename: str = "model_index.json"
+) -> str:
+    """Return a local path to a remote repo's ``model_index.json``"""
+    try:
+        # Cache-aware: no local_dir, so the selected Hub reuses its cache and
+        # revalidates the remote file when online.
+        return hf_hub_download(repo_id=model_name_or_path, filename=filename)
+    except Exception as online_err:
+        # LocalEntryNotFoundError (Hub unreachable) subclasses EntryNotFoundError.
+        if isinstance(online_err, EntryNotFoundError) and not isinstance(
+            online_err, LocalEntryNotFoundError
+        ):
+            if filename == "model_index.json":
+                return _resolve_remote_repo_model_index_path(
+                    model_name_or_path, "modular_model_index.json"
+                )
+            raise
+        cached_path = None
+        if not envs.SGLANG_USE_MODELSCOPE.get():
+            from huggingface_hub import try_to_load_from_cache
+
+            filenames = (
+                (filename, "modular_model_index.json")
+                if filename == "model_index.json"
+                else (filename,)
+            )
+            for candidate in filenames:
+                cached = try_to_load_from_cache(
+                    repo_id=model_name_or_path, filename=candidate
+                )
+                if isinstance(cached, str) and os.path.exists(cached):
+                    cached_path = cached
+                    break
+        if cached_path is not None:
+            logger.warning(
+                "Could not fetch model_index.json for '%s' from the Hugging Face "
+                "Hub (%s); using the locally cached copy at '%s'. The cached copy "
+                "may be out of date — provide an HF token or clear the cache to "
+                "force a refresh.",
+                model_name_or_path,
+                online_err,
+                cached_path,
+            )
+            return cached_path
+        raise
+
+
+def _download_overlay_manifest(repo_id: str, filename: str) -> str:
+    """``hf_hub_download`` for the overlay manifest that most repos lack.
+
+    For a file the repo never had, ``hf_hub_download`` waits out each Hub rate
+    limit before giving up, which can stall the startup of a fully cached
+    checkpoint for minutes. Overlay repos hold only metadata, so a complete
+    cached snapshot without the manifest is a regular checkpoint, which
+    maybe_download_model serves from the cache, and needs no Hub request.
+    Offline, ``hf_hub_download`` already answers from the cache without waiting.
+    """
+    from huggingface_hub import is_offline_mode, try_to_load_from_cache
+
+    if not envs.SGLANG_USE_MODELSCOPE.get() and not is_offline_mode():
+        cached_index = try_to_load_from_cache(repo_id, "model_index.json")
+        if isinstance(cached_index, str):
+            snapshot = os.path.dirname(cached_index)
+            if not os.path.exists(
+                os.path.join(snapshot, filename)
+            ) and _verify_diffusers_model_complete(snapshot):
+                raise EntryNotFoundError(f"{filename} not found in {repo_id}")
+    return hf_hub_download(repo_id=repo_id, filename=filename)
+
+
 def maybe_download_model_index(model_name_or_path: str) -> dict[str, Any]:
     """
     Download and extract just the model_index.json for a Hugging Face model.
@@ -466,11 +833,15 @@ def maybe_download_model_index(model_name_or_path: str) -> dict[str, Any]:
     Returns:
         The parsed model_index.json as a dictionary
     """
-    import tempfile
+    overlay_config = maybe_load_overlay_model_index(
+        model_name_or_path,
+        snapshot_download_fn=snapshot_download,
+        hf_hub_download_fn=_download_overlay_manifest,
+    )
+    if overlay_config is not None:
+        return overlay_config
 
-    from huggingface_hub.errors import EntryNotFoundError
-
-    # If it's a local path, verify it directly
+    # If it's a local path, verify it directly.
     if os.path.exists(model_name_or_path):
         try:
             return verify_model_config_and_directory(model_name_or_path)
@@ -483,46 +854,43 @@ def maybe_download_model_index(model_name_or_path: str) -> dict[str, Any]:
                 return config
             raise
 
-    # For remote models, download just the model_index.json
+    # For remote models, resolve model_index.json (Hub-first, cache fallback).
     try:
-        with tempfile.TemporaryDirectory() as tmp_dir:
-            # Download just the model_index.json file
-            model_index_path = hf_hub_download(
-                repo_id=model_name_or_path,
-                filename="model_index.json",
-                local_dir=tmp_dir,
+        model_index_path = _resolve_remote_repo_model_index_path(model_name_or_path)
+
+        # Load the model_index.json
+        config = _read_model_index(model_index_path)
+
+        # Verify it has the required fields
+        if "_class_name" not in config:
+            raise ValueError(
+                f"model_index.json for {model_name_or_path} does not contain _class_name field"
             )
 
-            # Load the model_index.json
-            with open(model_index_path) as f:
-                config: dict[str, Any] = json.load(f)
-
-            # Verify it has the required fields
-            if "_class_name" not in config:
-                raise ValueError(
-                    f"model_index.json for {model_name_or_path} does not contain _class_name field"
-                )
-
-            if "_diffusers_version" not in config:
-                raise ValueError(
-                    f"model_index.json for {model_name_or_path} does not contain _diffusers_version field"
-                )
-
-            # Add the pipeline name for downstream use
-            config["pipeline_name"] = config["_class_name"]
-
-            logger.info(
-                "Downloaded model_index.json for %s, pipeline: %s",
-                model_name_or_path,
-                config["_class_name"],
+        if "_diffusers_version" not in config:
+            raise ValueError(
+                f"model_index.json for {model_name_or_path} does not contain _diffusers_version field"
             )
-            return config
-    except EntryNotFoundError:
-        logger.warning(
+
+        # Add the pipeline name for downstream use
+        config["pipeline_name"] = config["_class_name"]
+
+        logger.debug(
+            "Resolved model_index.json for %s, pipeline: %s",
+            model_name_or_path,
+            config["_class_name"],
+        )
+        return config
+    except EntryNotFoundError as e:
+        logger.debug(
             "model_index.json not found for %s. Assuming it is a single model and downloading it.",
             model_name_or_path,
         )
-        local_path = maybe_download_model(model_name_or_path)
+        # Hub unreachable: use only the cache.
+        offline = isinstance(e, LocalEntryNotFoundError)
+        local_path = maybe_download_model(
+            model_name_or_path, download=not offline, skip_overlay_resolution=offline
+        )
         config_path = os.path.join(local_path, "config.json")
         if not os.path.exists(config_path):
             raise ValueError(
@@ -544,6 +912,9 @@ def maybe_download_model(
     download: bool = True,
     is_lora: bool = False,
     allow_patterns: list[str] | None = None,
+    force_diffusers_model: bool = False,
+    revision: str | None = None,
+    skip_overlay_resolution: bool = False,
 ) -> str:
     """
     Check if the model path is a Hugging Face Hub model ID and download it if needed.
@@ -553,47 +924,31 @@ def maybe_download_model(
         local_dir: Local directory to save the model
         download: Whether to download the model from Hugging Face Hub
         is_lora: If True, skip model completeness verification (LoRA models don't have transformer/vae directories)
-
+        force_diffusers_model: If True, apply diffusers model check. Otherwise it should be a component model
+        revision: Specific Hugging Face Hub revision to resolve
     Returns:
         Local path to the model
     """
-
-    def _verify_model_complete(path: str) -> bool:
-        """Check if model directory has required subdirectories."""
-        config_path = os.path.join(path, "model_index.json")
-        if not os.path.exists(config_path):
-            return False
-
-        try:
-            with open(config_path) as config_file:
-                model_index = json.load(config_file)
-        except Exception as exc:
-            logger.warning(
-                "Failed to read model_index.json at %s: %s", config_path, exc
-            )
-            return False
-
-        component_keys = [
-            key
-            for key, value in model_index.items()
-            if isinstance(value, (list, tuple))
-            and len(value) == 2
-            and all(isinstance(item, str) for item in value)
-        ]
-        if component_keys:
-            return all(
-                os.path.exists(os.path.join(path, component_key))
-                for component_key in component_keys
-            )
-
-        transformer_dir = os.path.join(path, "transformer")
-        vae_dir = os.path.join(path, "vae")
-        return os.path.exists(transformer_dir) and os.path.exists(vae_dir)
+    if force_diffusers_model and not skip_overlay_resolution:
+        # return overlay model path if applicable
+        overlay_model_path = maybe_resolve_overlay_model_path(
+            model_name_or_path,
+            local_dir=local_dir,
+            download=download,
+            allow_patterns=allow_patterns,
+            snapshot_download_fn=snapshot_download,
+            hf_hub_download_fn=_download_overlay_manifest,
+            verify_diffusers_model_complete_fn=_verify_diffusers_model_complete,
+            base_model_download_fn=maybe_download_model,
+        )
+        if overlay_model_path is not None:
+            return overlay_model_path
 
     # 1. Local path check: if path exists locally, verify it's complete (skip for LoRA)
     if os.path.exists(model_name_or_path):
-        if is_lora or _verify_model_complete(model_name_or_path):
-            # CI validation: check all subdirectories for missing shards
+        if not force_diffusers_model:
+            return model_name_or_path
+        if is_lora or _verify_diffusers_model_complete(model_name_or_path):
             if not is_lora:
                 is_valid, cleanup_performed = _ci_validate_diffusers_model(
                     model_name_or_path
@@ -607,8 +962,6 @@ def maybe_download_model(
                         )
                         # Fall through to download
                     else:
-                        # Local path is not in HF cache structure, can't clean up
-                        # Raise error since we can't fix this automatically
                         raise ValueError(
                             f"CI validation failed for local model at {model_name_or_path}. "
                             "Some safetensors shards are missing. "
@@ -631,34 +984,79 @@ def maybe_download_model(
     # Try to read from HF cache without network access
     try:
         logger.info(
-            "Checking for cached model in HF Hub cache for %s...", model_name_or_path
+            "Checking for cached model in %s cache for %s...",
+            _model_hub_name(),
+            model_name_or_path,
         )
         local_path = snapshot_download(
             repo_id=model_name_or_path,
             ignore_patterns=["*.onnx", "*.msgpack"],
+            allow_patterns=allow_patterns,
             local_dir=local_dir,
             local_files_only=True,
             max_workers=8,
+            revision=revision,
         )
-        if is_lora or _verify_model_complete(local_path):
-            # CI validation: check all subdirectories for missing shards
+        if _is_revisionless_snapshot_root(local_path):
+            # A cache miss, so the download below re-resolves and rewrites the ref.
+            raise LocalEntryNotFoundError(
+                f"Cached ref for {model_name_or_path} is corrupt: resolved to the "
+                f"snapshots parent {local_path!r} instead of a revision directory."
+            )
+        required_files = [
+            pattern for pattern in allow_patterns or () if not glob.has_magic(pattern)
+        ]
+        missing_required_files = [
+            path
+            for path in required_files
+            if not os.path.isfile(os.path.join(local_path, path))
+        ]
+        if missing_required_files:
+            if not download:
+                raise ValueError(
+                    f"Model {model_name_or_path} is cached but is missing requested "
+                    f"files: {missing_required_files}."
+                )
+            logger.info(
+                "Cached snapshot for %s is missing requested files %s; "
+                "will download them from %s",
+                model_name_or_path,
+                missing_required_files,
+                _model_hub_name(),
+            )
+        elif not force_diffusers_model:
+            # maybe_download_model_index's model_index.json fetch materializes a full
+            # cache entry, so this resolve reports that stub as a hit; returning it
+            # would skip the download. LoRA repos declare no components.
+            if not is_lora and _is_metadata_only_pipeline_snapshot(local_path):
+                if not download:
+                    raise ValueError(
+                        f"Model {model_name_or_path} found in cache but only contains "
+                        "pipeline metadata (no component weights) and download=False."
+                    )
+                logger.info(
+                    "Cached snapshot for %s only contains pipeline metadata, "
+                    "will download component weights from %s",
+                    model_name_or_path,
+                    _model_hub_name(),
+                )
+            else:
+                return str(local_path)
+        elif is_lora or _verify_diffusers_model_complete(local_path):
             if not is_lora:
                 is_valid, cleanup_performed = _ci_validate_diffusers_model(local_path)
                 if not is_valid:
-                    if cleanup_performed:
-                        logger.warning(
-                            "CI validation failed for cached model at %s, "
-                            "cache has been cleaned up, will re-download",
-                            local_path,
-                        )
-                        # Fall through to download
-                    else:
-                        # This shouldn't happen for HF cache paths, but handle it
-                        logger.warning(
-                            "CI validation failed for cached model at %s, "
-                            "but cleanup was not performed, will attempt re-download",
-                            local_path,
-                        )
+                    logger.warning(
+                        "CI validation failed for cached model at %s, "
+                        "%s, will re-download",
+                        local_path,
+                        (
+                            "cache has been cleaned up"
+                            if cleanup_performed
+                            else "cleanup was not performed"
+                        ),
+                    )
+                    # Fall through to download
                 else:
                     logger.info("Found complete model in cache at %s", local_path)
                     return str(local_path)
@@ -666,20 +1064,22 @@ def maybe_download_model(
                 logger.info("Found complete model in cache at %s", local_path)
                 return str(local_path)
         else:
-            # Model found in cache but incomplete
             if not download:
                 raise ValueError(
                     f"Model {model_name_or_path} found in cache but is incomplete and download=False."
                 )
             logger.info(
-                "Model found in cache but incomplete, will download from HF Hub"
+                "Model found in cache but incomplete, will download from %s",
+                _model_hub_name(),
             )
     except LocalEntryNotFoundError:
         if not download:
             raise ValueError(
                 f"Model {model_name_or_path} not found in local cache and download=False."
             )
-        logger.info("Model not found in cache, will download from HF Hub")
+        logger.info(
+            "Model not found in cache, will download from %s", _model_hub_name()
+        )
     except Exception as e:
         logger.warning(
             "Unexpected error while checking cache for %s: %s, will attempt download",
@@ -696,7 +1096,8 @@ def maybe_download_model(
     for attempt in range(MAX_RETRIES):
         try:
             logger.info(
-                "Downloading model snapshot from HF Hub for %s (attempt %d/%d)...",
+                "Downloading model snapshot from %s for %s (attempt %d/%d)...",
+                _model_hub_name(),
                 model_name_or_path,
                 attempt + 1,
                 MAX_RETRIES,
@@ -708,10 +1109,13 @@ def maybe_download_model(
                     allow_patterns=allow_patterns,
                     local_dir=local_dir,
                     max_workers=8,
+                    revision=revision,
                 )
 
+            if not force_diffusers_model:
+                return str(local_path)
             # Verify downloaded model is complete (skip for LoRA)
-            if not is_lora and not _verify_model_complete(local_path):
+            elif not is_lora and not _verify_diffusers_model_complete(local_path):
                 logger.warning(
                     "Downloaded model at %s is incomplete, retrying with force_download=True",
                     local_path,
@@ -720,11 +1124,13 @@ def maybe_download_model(
                     local_path = snapshot_download(
                         repo_id=model_name_or_path,
                         ignore_patterns=["*.onnx", "*.msgpack"],
+                        allow_patterns=allow_patterns,
                         local_dir=local_dir,
                         max_workers=8,
                         force_download=True,
+                        revision=revision,
                     )
-                if not _verify_model_complete(local_path):
+                if not _verify_diffusers_model_complete(local_path):
                     raise ValueError(
                         f"Downloaded model at {local_path} is still incomplete after forced re-download. "
                         "The model repository may be missing required components (model_index.json, transformer/, or vae/)."
@@ -734,8 +1140,7 @@ def maybe_download_model(
             if not is_lora:
                 is_valid, cleanup_performed = _ci_validate_diffusers_model(local_path)
                 if not is_valid:
-                    # In CI, if validation fails after download, we have a serious issue
-                    # If cleanup was performed, the next retry should get a fresh download
+                    # Not retried: the handler below re-raises it as a ValueError.
                     raise ValueError(
                         f"CI validation failed for downloaded model at {local_path}. "
                         f"Some safetensors shards are missing. Cleanup performed: {cleanup_performed}."
@@ -749,10 +1154,15 @@ def maybe_download_model(
                 f"Model or revision not found at {model_name_or_path}. "
                 f"Please check the model ID or ensure you have access to the repository. Error: {e}"
             ) from e
-        except (RequestException, RequestsConnectionError) as e:
+        except (RequestException, RequestsConnectionError, ConnectionError) as e:
+            if _is_modelscope_not_found_error(e):
+                raise ValueError(
+                    f"Model or revision not found at {model_name_or_path}. "
+                    "Please check the model ID or ensure you have access to the repository."
+                ) from e
             if attempt == MAX_RETRIES - 1:
                 raise ValueError(
-                    f"Could not find model at {model_name_or_path} and failed to download from HF Hub "
+                    f"Could not find model at {model_name_or_path} and failed to download from {_model_hub_name()} "
                     f"after {MAX_RETRIES} attempts due to network error: {e}"
                 ) from e
             wait_time = 2**attempt
@@ -765,9 +1175,31 @@ def maybe_download_model(
                 wait_time,
             )
             time.sleep(wait_time)
+        except RuntimeError as e:
+            if "client has been closed" not in str(e).lower():
+                raise ValueError(
+                    f"Could not find model at {model_name_or_path} and failed to download from {_model_hub_name()}: {e}"
+                ) from e
+            if attempt == MAX_RETRIES - 1:
+                raise ValueError(
+                    f"Could not find model at {model_name_or_path} and failed to download from {_model_hub_name()} "
+                    f"after {MAX_RETRIES} attempts due to network error: {e}"
+                ) from e
+            from huggingface_hub.utils._http import close_session
+
+            close_session()
+            wait_time = 2**attempt
+            logger.warning(
+                "Download failed (attempt %d/%d) because the Hugging Face client was closed. "
+                "Retrying in %d seconds...",
+                attempt + 1,
+                MAX_RETRIES,
+                wait_time,
+            )
+            time.sleep(wait_time)
         except Exception as e:
             raise ValueError(
-                f"Could not find model at {model_name_or_path} and failed to download from HF Hub: {e}"
+                f"Could not find model at {model_name_or_path} and failed to download from {_model_hub_name()}: {e}"
             ) from e
 
 
@@ -781,13 +1213,19 @@ def hf_hub_download(
     """Unified hf_hub_download that supports both Hugging Face Hub and ModelScope."""
     if envs.SGLANG_USE_MODELSCOPE.get():
         from modelscope import model_file_download
+        from modelscope.hub.errors import NotExistError
 
-        return model_file_download(
-            model_id=repo_id,
-            file_path=filename,
-            cache_dir=local_dir,
-            **kwargs,
-        )
+        try:
+            return model_file_download(
+                model_id=repo_id,
+                file_path=filename,
+                local_dir=str(local_dir) if local_dir is not None else None,
+                **kwargs,
+            )
+        except NotExistError as exc:
+            # Keep the Hugging Face-compatible exception contract used by
+            # maybe_download_model_index for repositories without model_index.json.
+            raise EntryNotFoundError(str(exc)) from exc
     else:
         from huggingface_hub import hf_hub_download as _hf_hub_download
 
@@ -812,16 +1250,25 @@ def snapshot_download(
     if envs.SGLANG_USE_MODELSCOPE.get():
         from modelscope import snapshot_download as _ms_snapshot_download
 
+        # ModelScope validates cached files on every online snapshot request and
+        # has no force_download argument. Dropping it preserves the caller's
+        # intended online revalidation without leaking Hub-specific kwargs.
+        kwargs.pop("force_download", None)
         ms_kwargs = {
             "model_id": repo_id,
-            "local_dir": local_dir,
+            "local_dir": str(local_dir) if local_dir is not None else None,
             "ignore_patterns": ignore_patterns,
             "allow_patterns": allow_patterns,
             "local_files_only": local_files_only,
             "max_workers": max_workers,
         }
         ms_kwargs.update(kwargs)
-        return _ms_snapshot_download(**ms_kwargs)
+        local_path = _ms_snapshot_download(**ms_kwargs)
+        if local_files_only and not _snapshot_has_files(local_path, allow_patterns):
+            raise LocalEntryNotFoundError(
+                f"No cached files for {repo_id} match {allow_patterns or '**/*'}"
+            )
+        return local_path
     else:
         from huggingface_hub import snapshot_download as _hf_snapshot_download
 
@@ -832,17 +1279,7 @@ def snapshot_download(
             "allow_patterns": allow_patterns,
             "local_files_only": local_files_only,
             "max_workers": max_workers,
-            "resume_download": True,
             "etag_timeout": 60,
         }
         hf_kwargs.update(kwargs)
         return _hf_snapshot_download(**hf_kwargs)
-
-
-def get_metadata_from_safetensors_file(file_path: str):
-    try:
-        with safe_open(file_path, framework="pt", device="cpu") as f:
-            metadata = f.metadata()
-            return metadata
-    except Exception as e:
-        logger.warning(e)

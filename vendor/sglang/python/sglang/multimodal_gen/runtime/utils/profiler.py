@@ -1,10 +1,14 @@
+import contextlib
 import gzip
 import os
+from collections.abc import Iterator
 
 import torch
 
+from sglang.multimodal_gen import envs
 from sglang.multimodal_gen.runtime.platforms import current_platform
 from sglang.multimodal_gen.runtime.utils.logging_utils import CYAN, RESET, init_logger
+from sglang.srt.utils.torch_npu_patch_utils import apply_torch_npu_patches
 
 if current_platform.is_npu():
     import torch_npu
@@ -13,9 +17,35 @@ if current_platform.is_npu():
         ["profiler.profile", torch_npu.profiler.profile],
         ["profiler.schedule", torch_npu.profiler.schedule],
     ]
-    torch_npu._apply_patches(patches)
+    apply_torch_npu_patches(torch_npu, patches)
 
 logger = init_logger(__name__)
+
+
+@contextlib.contextmanager
+def maybe_record_function(name: str, enabled: bool = True) -> Iterator[None]:
+    """Named ``torch.profiler`` span, near-free when no profiler is active.
+    ``enabled`` mirrors :func:`maybe_nvtx_range` for per-request gates such
+    as warmup exclusion.
+    """
+    # Gate on the process-wide module flag; the thread-local _profiler_enabled()
+    # is False under profile_all_threads=True and on non-initiating threads.
+    if not enabled or not torch.autograd.profiler._is_profiler_enabled:
+        yield
+        return
+    with torch.profiler.record_function(name):
+        yield
+
+
+def _resolve_profiler_log_dir(log_dir: str | None) -> str:
+    if log_dir is not None:
+        return log_dir
+
+    diffusion_profiler_dir = envs.SGLANG_DIFFUSION_TORCH_PROFILER_DIR
+    if diffusion_profiler_dir:
+        return diffusion_profiler_dir
+
+    return os.getenv("SGLANG_TORCH_PROFILER_DIR", "./logs")
 
 
 class SGLDiffusionProfiler:
@@ -43,11 +73,7 @@ class SGLDiffusionProfiler:
         self.rank = rank
         self.full_profile = full_profile
 
-        self.log_dir = (
-            log_dir
-            if log_dir is not None
-            else os.getenv("SGLANG_TORCH_PROFILER_DIR", "./logs")
-        )
+        self.log_dir = _resolve_profiler_log_dir(log_dir)
 
         try:
             os.makedirs(self.log_dir, exist_ok=True)
@@ -55,10 +81,15 @@ class SGLDiffusionProfiler:
             pass
 
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() or (
+            hasattr(torch, "musa") and torch.musa.is_available()
+        ):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if current_platform.is_npu():
             activities.append(torch_npu.profiler.ProfilerActivity.NPU)
+
+        if hasattr(torch, "xpu") and torch.xpu.is_available():
+            activities.append(torch.profiler.ProfilerActivity.XPU)
 
         common_torch_profiler_args = dict(
             activities=activities,
@@ -127,7 +158,9 @@ class SGLDiffusionProfiler:
             return
         self.has_stopped = True
         logger.info("Stopping Profiler...")
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() or (
+            hasattr(torch, "musa") and torch.musa.is_available()
+        ):
             torch.cuda.synchronize()
         if current_platform.is_npu():
             torch.npu.synchronize()

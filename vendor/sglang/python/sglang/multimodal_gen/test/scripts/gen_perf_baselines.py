@@ -1,6 +1,7 @@
 import argparse
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
+from sglang.multimodal_gen.runtime.platforms import current_platform
 from sglang.multimodal_gen.test.server.test_server_utils import (
     ServerManager,
     get_generate_fn,
@@ -23,7 +25,10 @@ from sglang.multimodal_gen.test.test_utils import (
 
 
 def _all_cases() -> list[DiffusionTestCase]:
-    import sglang.multimodal_gen.test.server.testcase_configs as cfg
+    if current_platform.is_npu():
+        import sglang.multimodal_gen.test.server.ascend.testcase_configs_npu as cfg
+    else:
+        import sglang.multimodal_gen.test.server.testcase_configs as cfg
 
     cases: list[DiffusionTestCase] = []
     for _, v in inspect.getmembers(cfg):
@@ -42,7 +47,7 @@ def _all_cases() -> list[DiffusionTestCase]:
 def _baseline_path() -> Path:
     import sglang.multimodal_gen.test.server.testcase_configs as cfg
 
-    return Path(cfg.__file__).with_name("perf_baselines.json")
+    return cfg.get_perf_baseline_update_path()
 
 
 def _openai_client(port: int) -> OpenAI:
@@ -61,13 +66,15 @@ def _build_server_extra_args(case: DiffusionTestCase) -> str:
         a += " --dit-layerwise-offload true"
     if server_args.dit_offload_prefetch_size:
         a += f" --dit-offload-prefetch-size {server_args.dit_offload_prefetch_size}"
+    if server_args.text_encoder_cpu_offload:
+        a += " --text-encoder-cpu-offload"
     if server_args.ring_degree is not None:
         a += f" --ring-degree {server_args.ring_degree}"
     if server_args.lora_path:
         a += f" --lora-path {server_args.lora_path}"
 
-    # default warmup
-    a += " --warmup"
+    # request-based warmup keeps the first measured generation out of the baseline
+    a += " --warmup-mode request"
 
     for extra_arg in server_args.extras:
         a += f" {extra_arg}"
@@ -90,9 +97,9 @@ def _torch_cleanup() -> None:
     try:
         import torch
 
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        if torch.get_device_module().is_available():
+            torch.get_device_module().synchronize()
+            torch.get_device_module().empty_cache()
     except Exception:
         pass
 
@@ -110,14 +117,13 @@ def _run_case(case: DiffusionTestCase) -> dict:
     ctx = mgr.start()
     try:
         sp = case.sampling_params
-        output_size = os.environ.get("SGLANG_TEST_OUTPUT_SIZE", sp.output_size)
         client = _openai_client(ctx.port)
         gen = get_generate_fn(
             model_path=case.server_args.model_path,
             modality=case.server_args.modality,
             sampling_params=sp,
         )
-        rid = gen(case.id, client)
+        rid, _ = gen(case.id, client)
         rec = wait_for_req_perf_record(
             rid,
             ctx.perf_log_path,
@@ -132,19 +138,31 @@ def _run_case(case: DiffusionTestCase) -> dict:
         perf = PerformanceSummary.from_req_perf_record(
             rec, BASELINE_CONFIG.step_fractions
         )
+        for name, value in (("load", ctx.load_time_ms), ("E2E", perf.e2e_ms)):
+            if value is None or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{case.id}: {name} duration missing or invalid")
         if case.server_args.modality == "video" and sp.num_frames and sp.num_frames > 0:
             if "per_frame_generation" not in perf.stage_metrics:
                 perf.stage_metrics["per_frame_generation"] = perf.e2e_ms / sp.num_frames
 
-        return {
+        baseline = {
             "stages_ms": {k: round(v, 2) for k, v in perf.stage_metrics.items()},
             "denoise_step_ms": {
                 str(k): round(v, 2) for k, v in perf.all_denoise_steps.items()
             },
             "expected_e2e_ms": round(perf.e2e_ms, 2),
+            "expected_load_ms": round(ctx.load_time_ms, 2),
             "expected_avg_denoise_ms": round(perf.avg_denoise_ms, 2),
             "expected_median_denoise_ms": round(perf.median_denoise_ms, 2),
         }
+        if current_platform.is_cuda():
+            baseline.update(
+                {
+                    "load_peak_vram_mb": round(perf.load_peak_vram_mb, 2),
+                    "runtime_peak_vram_mb": round(perf.runtime_peak_vram_mb, 2),
+                }
+            )
+        return baseline
     finally:
         ctx.cleanup()
 

@@ -9,7 +9,6 @@ from sglang.srt.connector.serde.serde import Deserializer, Serializer
 
 
 class SafeSerializer(Serializer):
-
     def __init__(self):
         super().__init__()
 
@@ -18,7 +17,6 @@ class SafeSerializer(Serializer):
 
 
 class SafeDeserializer(Deserializer):
-
     def __init__(self):
         # TODO: dtype options
         super().__init__(torch.float32)

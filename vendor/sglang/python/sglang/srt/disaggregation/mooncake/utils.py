@@ -14,6 +14,7 @@
 """Mooncake-specific utilities for custom memory pool management."""
 
 import logging
+import os
 from typing import Any, Optional, Tuple
 
 import torch
@@ -23,7 +24,42 @@ from sglang.srt.environ import envs
 logger = logging.getLogger(__name__)
 
 # Global constants for custom memory pool types
-SUPPORTED_MOONCAKE_CUSTOM_MEM_POOL_TYPES = ["NVLINK", "BAREX", "INTRA_NVLINK"]
+SUPPORTED_MOONCAKE_CUSTOM_MEM_POOL_TYPES = ["NVLINK", "BAREX", "INTRA_NODE_NVLINK"]
+
+
+def _cuda_expandable_segments_enabled() -> Optional[str]:
+    """Return the allocator env var that enables CUDA expandable segments."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for field in os.environ.get(var, "").split(","):
+            key, _, value = field.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return var
+    return None
+
+
+def _validate_efa_allocator_compatibility(
+    enable_custom_mem_pool: bool, custom_mem_pool_type: Optional[str]
+) -> None:
+    """Reject CUDA VMM allocators unsupported by the current libfabric EFA path."""
+    if envs.MOONCAKE_PROTOCOL.get().lower() != "efa":
+        return
+
+    if enable_custom_mem_pool and custom_mem_pool_type in ("NVLINK", "BAREX"):
+        raise ValueError(
+            f"SGLANG_MOONCAKE_CUSTOM_MEM_POOL={custom_mem_pool_type} is "
+            "incompatible with MOONCAKE_PROTOCOL=efa. Mooncake custom memory "
+            "pools use CUDA VMM allocations, which the current libfabric EFA "
+            "provider cannot transfer. Unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL."
+        )
+
+    expandable_segments_var = _cuda_expandable_segments_enabled()
+    if expandable_segments_var is not None:
+        raise ValueError(
+            f"{expandable_segments_var} enables expandable_segments, which is "
+            "incompatible with MOONCAKE_PROTOCOL=efa because the current "
+            "libfabric EFA provider cannot transfer CUDA VMM allocations. "
+            "Disable expandable_segments."
+        )
 
 
 def init_mooncake_custom_mem_pool(
@@ -63,7 +99,11 @@ def init_mooncake_custom_mem_pool(
                     f"Unsupported custom mem pool type: {custom_mem_pool_type}"
                 )
 
-            custom_mem_pool = torch.cuda.MemPool(allocator.allocator())
+            # MemPool binds to the current device; on a non-main thread (e.g.
+            # PD bootstrap) that is device 0, so ranks on other GPUs hit the
+            # CUDACachingAllocator use_count assert in use_mem_pool().
+            with torch.cuda.device(device):
+                custom_mem_pool = torch.cuda.MemPool(allocator.allocator())
             logger.debug(
                 f"Initialized custom memory pool: {custom_mem_pool_type} on device {device}"
             )

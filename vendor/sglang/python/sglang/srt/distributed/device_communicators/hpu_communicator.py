@@ -1,9 +1,12 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/v0.6.4.post1/vllm/distributed/device_communicators/hpu_communicator.py
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from sglang.srt.distributed.utils import all_gather_single
 from sglang.srt.utils import is_hpu
 
 if is_hpu():
@@ -11,7 +14,6 @@ if is_hpu():
 
 
 class HpuCommunicator:
-
     def __init__(self, group: ProcessGroup):
         if not is_hpu():
             self.disabled = True
@@ -40,7 +42,7 @@ class HpuCommunicator:
         )
         # All-gather.
         htorch.core.mark_step()
-        dist.all_gather_into_tensor(output_tensor, x, group=self.group)
+        all_gather_single(output_tensor, x, group=self.group)
         # Reshape
         output_tensor = output_tensor.movedim(0, dim)
         output_tensor = output_tensor.reshape(

@@ -1,14 +1,16 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/v0.6.4.post1/vllm/distributed/device_communicators/xpu_communicator.py
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from sglang.srt.distributed.utils import all_gather_single
 from sglang.srt.utils import is_xpu
 
 
 class XpuCommunicator:
-
     def __init__(self, group: ProcessGroup):
         if not is_xpu():
             self.disabled = True
@@ -32,9 +34,7 @@ class XpuCommunicator:
             (self.world_size,) + input_size, dtype=input_.dtype, device=input_.device
         )
         # All-gather.
-        torch.distributed.all_gather_into_tensor(
-            output_tensor, input_, group=self.group
-        )
+        all_gather_single(output_tensor, input_, group=self.group)
         if rank_in_group == dst:
             # Reshape
             output_tensor = output_tensor.movedim(0, dim)

@@ -1,4 +1,6 @@
+import heapq
 import logging
+import math
 from typing import Any, Dict, List, Optional, Union
 
 from fastapi import Request
@@ -119,13 +121,14 @@ def _qwen3_rerank_score(p_yes: float, p_no: float) -> float:
 def _get_jinja_env():
     try:
         import jinja2  # Lazy import: server env should provide this dependency.
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ModuleNotFoundError as e:
         raise ValueError(
             "Rendering Qwen3 reranker prompts requires `jinja2`. "
             "Please install it in your runtime environment (e.g., `pip install jinja2`)."
         ) from e
-
-    return jinja2.Environment(
+    # Using a sandboxed environment to stop malicious execution during model loading.
+    return ImmutableSandboxedEnvironment(
         loader=jinja2.BaseLoader(),
         autoescape=False,
         undefined=jinja2.Undefined,
@@ -376,13 +379,13 @@ class OpenAIServingRerank(OpenAIServingBase):
                 for doc in request.documents
             ]
 
-            probs = await self.tokenizer_manager.score_prompts(
+            result = await self.tokenizer_manager.score_prompts(
                 prompts,
                 label_token_ids=[self._yes_token_id, self._no_token_id],
                 apply_softmax=False,
                 request=raw_request,
             )
-            scores = [_qwen3_rerank_score(p[0], p[1]) for p in probs]
+            scores = [_qwen3_rerank_score(s[0], s[1]) for s in result.scores]
         except ValueError as e:
             return self.create_error_response(str(e))
         except Exception as e:
@@ -531,8 +534,6 @@ class OpenAIServingRerank(OpenAIServingBase):
 
     def _extract_score_from_logprobs(self, ret: Dict[str, Any]) -> float:
         """Extract reranking score from generation response with logprobs."""
-        import math
-
         # Get logprobs from the response
         meta_info = ret.get("meta_info", {})
         output_top_logprobs = meta_info.get("output_top_logprobs", [])
@@ -544,13 +545,19 @@ class OpenAIServingRerank(OpenAIServingBase):
         # Format: list of tuples (logprob, token_id, token_text)
         p_yes = 0.0
         p_no = 0.0
+        found_yes = False
+        found_no = False
 
         for item in top_logprobs:
             logprob, token_id = item[0], item[1]
             if token_id == self._yes_token_id:
                 p_yes = math.exp(logprob)
+                found_yes = True
             elif token_id == self._no_token_id:
                 p_no = math.exp(logprob)
+                found_no = True
+            if found_yes and found_no:
+                break
 
         return _qwen3_rerank_score(p_yes, p_no)
 
@@ -592,11 +599,11 @@ class OpenAIServingRerank(OpenAIServingBase):
                     )
                 )
 
-        # Sort by score in descending order (highest relevance first)
+        # When top_n is set, nlargest avoids fully sorting the candidate list
+        # (O(N log top_n) vs O(N log N)) — meaningful for large rerank batches.
+        # Validator (V1RerankReqInput.validate_top_n) guarantees top_n >= 1.
+        if request.top_n is not None:
+            return heapq.nlargest(request.top_n, responses, key=lambda x: x.score)
+
         responses.sort(key=lambda x: x.score, reverse=True)
-
-        # Apply top_n limit if specified
-        if request.top_n is not None and request.top_n > 0:
-            responses = responses[: request.top_n]
-
         return responses

@@ -33,18 +33,22 @@ class NPUPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         seq_lens_cpu: torch.Tensor,
         last_loc: torch.Tensor,
         extend_num_tokens: int,
+        num_new_pages: int = None,
     ):
         if self.debug_mode:
             assert torch.all(
                 (last_loc + 1) % self.page_size == prefix_lens % self.page_size
             )
 
-        num_new_pages = (
-            (seq_lens + self.roundup) // self.page_size
-            - (prefix_lens + self.roundup) // self.page_size
-        ).sum()
-        num_new_pages_item = num_new_pages.item()
-        if self.need_sort and num_new_pages_item > len(self.free_pages):
+        if num_new_pages is None:
+            num_new_pages_tensor = (
+                (seq_lens + self.roundup) // self.page_size
+                - (prefix_lens + self.roundup) // self.page_size
+            ).sum()
+            num_new_pages_item = num_new_pages_tensor.item()
+        else:
+            num_new_pages_item = num_new_pages
+        if num_new_pages_item > len(self.free_pages):
             self.merge_and_sort_free()
 
         if num_new_pages_item > len(self.free_pages):
@@ -112,7 +116,6 @@ class NPUPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
         if num_new_pages > len(self.free_pages):
             self.merge_and_sort_free()
-
         if num_new_pages > len(self.free_pages):
             return None
 
@@ -122,6 +125,7 @@ class NPUPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if num_new_pages == 0:
             out_indices = last_loc + 1
         else:
+            start_new_pages = start_new_pages.clamp(max=num_new_pages - 1)
             out_indices = (last_loc + 1) * (1 - need_new_pages) + self.free_pages[
                 start_new_pages
             ] * self.page_size * need_new_pages
@@ -136,16 +140,12 @@ class NPUPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if free_index.numel() == 0:
             return
 
-        if self.is_not_in_free_group:
+        if self.free_group is None:
             device = free_index.device
             free_page_indices = torch.unique(free_index.cpu() // self.page_size)
-            free_page_indices = free_page_indices.to(device)
-            if self.need_sort:
-                self.release_pages = torch.cat((free_page_indices, self.release_pages))
-            else:
-                self.free_pages = torch.cat((free_page_indices, self.free_pages))
+            self._release_page_ids(free_page_indices.to(device))
         else:
-            self.free_group.append(free_index)
+            self.free_group.append(self._copy_for_free_group(free_index))
 
         if self.debug_mode:
             assert len(torch.unique(self.free_pages)) == len(self.free_pages)

@@ -1,12 +1,14 @@
 from typing import Optional, Tuple
 
 import torch
-from sgl_kernel import merge_state_v2
 
-from sglang.srt.layers.attention.triton_ops.merge_state import merge_state_triton
+from sglang.kernels.ops.attention.merge_state import merge_state_triton
 from sglang.srt.utils import is_cuda
 
 _is_cuda = is_cuda()
+
+if _is_cuda:
+    from sgl_kernel import merge_state_v2
 
 
 # Automatically fallback to the Triton kernel in some cases

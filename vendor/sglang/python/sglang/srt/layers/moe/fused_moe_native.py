@@ -6,8 +6,11 @@ It is based on https://github.com/pytorch-labs/gpt-fast/blob/32971d3129541c5bfb4
 import torch
 from torch.nn import functional as F
 
-from sglang.srt.layers.activation import GeluAndMul, SiluAndMul
+from sglang.srt.layers.activation import GeluAndMul, SiluAndMul, SituAndMul
 from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
+    swiglu_gpt_oss_sigmoid_alpha,
+)
 from sglang.srt.layers.moe.token_dispatcher import (
     StandardCombineInput,
     StandardDispatchOutput,
@@ -20,7 +23,8 @@ def fused_moe_forward_native(
     dispatch_output: StandardDispatchOutput,
 ) -> StandardCombineInput:
 
-    x, x_scale, topk_output = dispatch_output
+    x = dispatch_output.hidden_states
+    topk_output = dispatch_output.topk_output
     moe_runner_config = layer.moe_runner_config
 
     if moe_runner_config.apply_router_weight_on_input:
@@ -36,6 +40,14 @@ def fused_moe_forward_native(
         x1 = F.silu(x1)
     elif moe_runner_config.activation == "gelu":
         x1 = F.gelu(x1)
+    elif moe_runner_config.activation == "situ":
+        beta = (
+            moe_runner_config.gemm1_alpha
+            if moe_runner_config.gemm1_alpha is not None
+            else 4.0
+        )
+        x1 = beta * torch.tanh(x1.float() / beta) * torch.sigmoid(x1.float())
+        x1 = x1.to(x.dtype)
     else:
         raise ValueError(f"Unsupported activation: {moe_runner_config.activation=}")
     x3 = torch.einsum("ti, taoi -> tao", x, w3_weights)
@@ -64,7 +76,7 @@ def moe_forward_native(
     cnts = topk_ids.new_zeros((topk_ids.shape[0], len_experts))
     cnts.scatter_(1, topk_ids.to(torch.int64), 1)
     tokens_per_expert = cnts.sum(dim=0)
-    idxs = topk_ids.view(-1).argsort()
+    idxs = topk_ids.reshape(-1).argsort()
 
     sorted_tokens = x[idxs // topk_ids.shape[1]]
     tokens_per_expert = tokens_per_expert.cpu().numpy()
@@ -73,9 +85,20 @@ def moe_forward_native(
         act = SiluAndMul()
     elif moe_runner_config.activation == "gelu":
         act = GeluAndMul()
+    elif moe_runner_config.activation == "situ":
+        situ_beta = (
+            moe_runner_config.gemm1_alpha
+            if moe_runner_config.gemm1_alpha is not None
+            else 4.0
+        )
+        situ_linear_beta = moe_runner_config.gemm1_clamp_limit
+        act = SituAndMul(beta=situ_beta, linear_beta=situ_linear_beta)
     else:
         raise ValueError(f"Unsupported activation: {moe_runner_config.activation=}")
 
+    # Get bias terms if available
+    w13_bias = getattr(layer, "w13_weight_bias", None)
+    w2_bias = getattr(layer, "w2_weight_bias", None)
     outputs = []
     start_idx = 0
     for i, num_tokens in enumerate(tokens_per_expert):
@@ -87,9 +110,43 @@ def moe_forward_native(
         layer_w13_weight = layer.w13_weight[i]
         layer_w2_weight = layer.w2_weight[i]
 
+        # Store original dtype
+        original_dtype = tokens_for_this_expert.dtype
+
+        # Get bias terms if available for this expert
+        layer_w13_bias = w13_bias[i] if w13_bias is not None else None
+        layer_w2_bias = w2_bias[i] if w2_bias is not None else None
+
+        # Apply w13 linear
         gate_up = F.linear(tokens_for_this_expert, layer_w13_weight)
-        gate_up = act(gate_up)
+
+        # Add bias if present (for models like GPT-OSS)
+        if layer_w13_bias is not None:
+            gate_up_fp32 = gate_up.float() + layer_w13_bias
+            gate_up = gate_up_fp32.to(original_dtype)
+
+        # Apply activation
+        if (
+            moe_runner_config.activation == "silu"
+            and moe_runner_config.gemm1_alpha is not None
+        ):
+            assert moe_runner_config.gemm1_clamp_limit is not None
+            gate_up = swiglu_gpt_oss_sigmoid_alpha(
+                gate_up,
+                moe_runner_config.gemm1_alpha,
+                moe_runner_config.gemm1_clamp_limit,
+            )
+        else:
+            gate_up = act(gate_up)
+
+        # Apply w2 linear
         expert_out = F.linear(gate_up, layer_w2_weight)
+
+        # Add bias if present (for models like GPT-OSS)
+        if layer_w2_bias is not None:
+            expert_out = expert_out.float() + layer_w2_bias
+            expert_out = expert_out.to(original_dtype)
+
         outputs.append(expert_out)
         start_idx = end_idx
 

@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://raw.githubusercontent.com/vllm-project/vllm/v0.5.5/vllm/model_executor/layers/quantization/base_config.py
 from __future__ import annotations
 
@@ -8,9 +10,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Type
 import torch
 from torch import nn
 
+from sglang.srt.layers.modelopt_utils import canonicalize_modelopt_quant_algo
+
 if TYPE_CHECKING:
-    from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig
+    from sglang.srt.layers.moe.moe_runner import MoeRunner, MoeRunnerConfig
+    from sglang.srt.layers.moe.moe_runner.base import MoeQuantInfo
+    from sglang.srt.layers.moe.moe_runner.triton import TritonMoeQuantInfo
     from sglang.srt.layers.moe.token_dispatcher import CombineInput, DispatchOutput
+    from sglang.srt.layers.moe.utils import MoeRunnerBackendLike, RoutingMethodType
     from sglang.srt.models.utils import WeightsMapper
 
 
@@ -36,6 +43,13 @@ class QuantizeMethodBase(ABC):
         """Process the weight after loading.
 
         This can be used for example, to transpose weights for computation.
+        """
+        return
+
+    def restore_weights_before_loading(self, layer: nn.Module) -> None:
+        """Undo an in-place repack so checkpoint-format weights can be loaded again.
+
+        Needed only when `process_weights_after_loading` changes parameter shapes.
         """
         return
 
@@ -81,6 +95,7 @@ class LinearMethodBase(QuantizeMethodBase):
 
 
 class FusedMoEMethodBase(QuantizeMethodBase):
+    runner: MoeRunner | None = None
 
     def create_weights(
         self,
@@ -98,6 +113,22 @@ class FusedMoEMethodBase(QuantizeMethodBase):
     ):
         raise NotImplementedError
 
+    def get_moe_runner_backend(
+        self, layer: torch.nn.Module
+    ) -> MoeRunnerBackendLike | None:
+        """Return the execution contract after create_moe_runner.
+
+        None declares a direct kernel consuming standard TopK with local IDs.
+        Override when apply uses a different path from the owned runner.
+        """
+        return self.runner.runner_backend if self.runner is not None else None
+
+    def get_moe_routing_method_type(
+        self, layer: torch.nn.Module, requested_method: RoutingMethodType | None
+    ) -> RoutingMethodType | None:
+        """Return the routing policy consumed by the selected execution path."""
+        return requested_method
+
     @abstractmethod
     def apply(
         self,
@@ -106,14 +137,44 @@ class FusedMoEMethodBase(QuantizeMethodBase):
     ) -> CombineInput:
         raise NotImplementedError
 
+    def get_triton_quant_info(self, layer: torch.nn.Module) -> TritonMoeQuantInfo:
+        """Return a ``TritonMoeQuantInfo`` describing the quantisation state
+        stored on *layer*.
+
+        The LoRA MoE runner calls this so that ``invoke_fused_moe_kernel``
+        receives the correct flags / scales / block-shape for the base
+        weights.  Each quantisation method must override this with the
+        same construction it already uses inside ``apply()``.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement get_triton_quant_info()"
+        )
+
+    def get_moe_quant_info(
+        self, layer: torch.nn.Module, runner_backend: MoeRunnerBackendLike
+    ) -> MoeQuantInfo:
+        if runner_backend.is_triton():
+            return self.get_triton_quant_info(layer)
+        raise NotImplementedError(
+            f"{type(self).__name__} does not expose quant info for {runner_backend.value!r}"
+        )
+
 
 class QuantizationConfig(ABC):
     """Base class for quantization configs."""
+
+    weight_block_size: Optional[List[int]] = None
+    # None means the global default applies; a config sets it to decide for
+    # itself whether its MXFP8 weights are converted to block-FP8 at load.
+    convert_mxfp8_to_block_fp8: Optional[bool] = None
 
     def __init__(self):
         super().__init__()
         # mapping is updated by models as they initialize
         self.packed_modules_mapping: Dict[str, List[str]] = dict()
+
+    def update_packed_modules_mapping(self, mapping: Dict[str, List[str]]) -> None:
+        self.packed_modules_mapping = mapping
 
     @abstractmethod
     def get_name(self) -> str:
@@ -144,7 +205,7 @@ class QuantizationConfig(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, config: Dict[str, Any]) -> "QuantizationConfig":
+    def from_config(cls, config: Dict[str, Any]) -> QuantizationConfig:
         """Create a config class from the model's quantization config."""
         raise NotImplementedError()
 
@@ -166,15 +227,22 @@ class QuantizationConfig(ABC):
         if hf_quant_config is None:
             return None
 
+        # If the user explicitly requested an online requantization (e.g.
+        # quark_mxfp4 on top of an NVFP4 checkpoint), do not override it back
+        # to the source format.
+        from sglang.srt.configs.model_config import REQUANTIZATION_METHODS
+
+        if user_quant == "nvfp4_online" or user_quant in REQUANTIZATION_METHODS:
+            return None
+
         # Check if this is a ModelOpt config
         quant_algo = hf_quant_config.get("quant_algo", "").upper()
 
         # If user specified generic "modelopt", auto-detect the specific method
         if user_quant == "modelopt":
-            if "FP8" in quant_algo:
-                return "modelopt_fp8"
-            elif "NVFP4" in quant_algo or "FP4" in quant_algo:
-                return "modelopt_fp4"
+            canonical_method = canonicalize_modelopt_quant_algo(quant_algo)
+            if canonical_method is not None:
+                return canonical_method
 
         # The hf_quant_config may be a parsed quant config, so we need to check the
         # quant_method.
@@ -192,7 +260,7 @@ class QuantizationConfig(ABC):
             if key in config:
                 return config[key]
         raise ValueError(
-            f"Cannot find any of {keys} in the model's " "quantization config."
+            f"Cannot find any of {keys} in the model's quantization config."
         )
 
     @staticmethod
@@ -218,6 +286,20 @@ class QuantizationConfig(ABC):
         """
         raise NotImplementedError()
 
+    def is_linear_unquantized(self, prefix: str) -> bool:
+        """Whether a linear layer at ``prefix`` keeps its checkpoint precision.
+
+        A query for deciding module layouts before layers are built, so an
+        override must not register ``prefix`` as a quantized layer.
+        """
+        from sglang.srt.layers.linear import LinearBase
+        from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+        return isinstance(
+            self.get_quant_method(LinearBase(1, 1), prefix=prefix),
+            UnquantizedLinearMethod,
+        )
+
     @abstractmethod
     def get_scaled_act_names(self) -> List[str]:
         """Returns the activation function names that should be post-scaled.
@@ -226,9 +308,7 @@ class QuantizationConfig(ABC):
         """
         raise NotImplementedError()
 
-    def apply_weight_name_mapper(
-        self, hf_to_sglang_mapper: "WeightsMapper"
-    ):  # noqa: B027
+    def apply_weight_name_mapper(self, hf_to_sglang_mapper: WeightsMapper):  # noqa: B027
         """
         Interface for models to update module names referenced in
         quantization configs in order to reflect the sglang model structure

@@ -1,14 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
-
-from sglang.srt.layers.moe import MoeRunnerConfig
-
-if TYPE_CHECKING:
-    from sglang.srt.layers.moe.token_dispatcher import StandardDispatchOutput
 
 __all__ = ["BaseLinearScheme", "BaseMoEScheme"]
 
@@ -18,6 +13,12 @@ class BaseLinearScheme(ABC):
     Abstract class used to describe the weight creation and forward pass
     of different quantization schemes.
     """
+
+    # Schemes whose parameters only implement the v2 loader API
+    # (load_{column,row,merged_column,qkv}_weight) set this so LinearBase
+    # routes them through weight_loader_v2 without flipping the loader for
+    # every scheme that shares the same LinearMethod class.
+    requires_weight_loader_v2: bool = False
 
     @abstractmethod
     def create_weights(self, *args, **kwargs):
@@ -58,6 +59,12 @@ class BaseMoEScheme(ABC):
     of different quantization schemes.
     """
 
+    runner = None
+
+    def get_moe_runner_backend(self, layer):
+        """Return the runner contract, or None for a direct standard/local-ID kernel."""
+        return self.runner.runner_backend if self.runner is not None else None
+
     @abstractmethod
     def create_weights(self, *args, **kwargs):
         """
@@ -67,33 +74,9 @@ class BaseMoEScheme(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def create_moe_runner(
-        self, layer: torch.nn.Module, moe_runner_config: MoeRunnerConfig
-    ):
-        raise NotImplementedError
-
-    @abstractmethod
     def process_weights_after_loading(self, layer: torch.nn.Module):
         """
         Called after weight loading is complete for any cleanup that
         needs to occur.
-        """
-        raise NotImplementedError
-
-    @abstractmethod
-    def apply_weights(
-        self,
-        layer: torch.nn.Module,
-        dispatch_output: "StandardDispatchOutput",
-    ):
-        """
-        Run the forward pass for the particular scheme. This is where
-        scheme-specific dequant/quant steps/kernels should be applied.
-
-        :param layer: torch.nn.Module with the registered weights and
-            other parameters relevant to the particular scheme.
-        :param x: input to the layer
-        :param bias: bias parameter
-
         """
         raise NotImplementedError

@@ -1,14 +1,16 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/layers/quantization/kv_cache.py
 
 import logging
 
 import torch
 
+from sglang.kernels.ops.quantization.fp8_kernel import is_fp8_fnuz
 from sglang.srt.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
 )
-from sglang.srt.layers.quantization.fp8_kernel import is_fp8_fnuz
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ class BaseKVCacheMethod(QuantizeMethodBase):
         layer.v_scale = torch.nn.Parameter(
             torch.tensor(-1.0, dtype=torch.float32), requires_grad=False
         )
+        layer.k_scale._skip_weight_check = True
+        layer.v_scale._skip_weight_check = True
 
     def apply(self, layer: torch.nn.Module) -> torch.Tensor:
         raise RuntimeError(f"{self.__class__.__name__}.apply should not be called.")
@@ -52,8 +56,8 @@ class BaseKVCacheMethod(QuantizeMethodBase):
             if is_fp8_fnuz():
                 k_scale *= 2
                 v_scale *= 2
-        elif layer.k_scale < 0.0 and layer.v_scale < 0.0:
-            # If no scales were loaded (both scales are invalid negative
+        elif layer.k_scale <= 0.0 and layer.v_scale <= 0.0:
+            # If no scales were loaded (both scales are invalid non-positive
             # values), use the default value of 1.0
             k_scale = 1.0
             v_scale = 1.0
@@ -70,9 +74,7 @@ class BaseKVCacheMethod(QuantizeMethodBase):
                 v_scale *= 2
 
         if not isinstance(k_scale, float) or not isinstance(v_scale, float):
-            raise ValueError(
-                "Only support per-tensor scaling factor " "for fp8 KV cache"
-            )
+            raise ValueError("Only support per-tensor scaling factor for fp8 KV cache")
 
         # These are used in the final Attention.forward()
         layer.k_scale.copy_(k_scale)

@@ -5,19 +5,19 @@ import torch
 from tqdm import tqdm
 from tqdm.std import EMA
 
-from sglang.srt.distributed import get_tensor_model_parallel_rank
 from sglang.srt.layers.int4fp8_utils import (
     pack_int4_to_int32,
     quantize_fp8_scale_tensorwise,
     quantize_int4_scale_columnwise,
 )
-from sglang.srt.layers.moe import MoeRunnerConfig
+from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend, MoeRunnerConfig
 from sglang.srt.layers.quantization.base_config import (
     FusedMoEMethodBase,
     QuantizationConfig,
     QuantizeMethodBase,
 )
 from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import BAR_FORMAT, is_hip, set_weight_attrs
 
 if TYPE_CHECKING:
@@ -27,8 +27,6 @@ _is_hip = is_hip()
 
 
 if _is_hip:
-    from aiter import ActivationType, QuantType
-    from aiter.fused_moe import fused_moe
     from aiter.ops.shuffle import shuffle_weight
 
     ON_GFX950 = "gfx950" in torch.cuda.get_device_properties("cuda").gcnArchName
@@ -73,7 +71,7 @@ class QuarkInt4Fp8Config(QuantizationConfig):
 
         self.num_quant_layers = 0
 
-        tp_rank = get_tensor_model_parallel_rank()
+        tp_rank = get_parallel().tp_rank
 
         # The weight iterator already has a progress bar on rank=0, account for that.
         position = 1 + tqdm._get_free_pos()
@@ -140,8 +138,6 @@ class QuarkInt4Fp8MoEMethod(FusedMoEMethodBase):
 
         self.online_quant_progress_bar = self.quant_config.online_quant_progress_bar
 
-        self.tp_rank = get_tensor_model_parallel_rank()
-
         if not _is_hip:
             raise NotImplementedError(
                 "The quark_int4fp8_moe online quantization scheme is only supported on AMD GPUs."
@@ -172,12 +168,12 @@ class QuarkInt4Fp8MoEMethod(FusedMoEMethodBase):
                 if shard_id in ["w1", "w3"]:
                     shard_dim = 0
                     loaded_weight = loaded_weight.narrow(
-                        shard_dim, shard_size * self.tp_rank, shard_size
+                        shard_dim, shard_size * layer.moe_tp_rank, shard_size
                     )
                 else:
                     shard_dim = 1
                     loaded_weight = loaded_weight.narrow(
-                        shard_dim, shard_size * self.tp_rank, shard_size
+                        shard_dim, shard_size * layer.moe_tp_rank, shard_size
                     )
 
             # We want to run online quantization on-device for speed purposes.
@@ -389,9 +385,9 @@ class QuarkInt4Fp8MoEMethod(FusedMoEMethodBase):
                     int4_rescale = (
                         layer.w13_fp8_scale[expert_id][shard_id] / max_w13_scale_fp8
                     )
-                    layer.w13_int4_scale[expert_id][
-                        start : start + shard_size
-                    ] *= int4_rescale
+                    layer.w13_int4_scale[expert_id][start : start + shard_size] *= (
+                        int4_rescale
+                    )
                 start += shard_size
 
         layer.w13_fp8_scale = torch.nn.Parameter(max_w13_scales, requires_grad=False)
@@ -405,39 +401,44 @@ class QuarkInt4Fp8MoEMethod(FusedMoEMethodBase):
     def create_moe_runner(
         self, layer: torch.nn.Module, moe_runner_config: MoeRunnerConfig
     ):
+        from sglang.srt.layers.moe.utils import (
+            get_moe_a2a_backend,
+            get_moe_runner_backend,
+        )
+
         self.moe_runner_config = moe_runner_config
+        moe_runner_backend = get_moe_runner_backend()
+        if moe_runner_backend.is_auto() and get_moe_a2a_backend().supports_aiter():
+            moe_runner_backend = MoeRunnerBackend.AITER
+
+        if moe_runner_backend.is_aiter():
+            self.runner = MoeRunner(moe_runner_backend, moe_runner_config)
+        else:
+            # TODO(cwan): refactor other backends
+            pass
 
     def apply(
         self,
         layer: torch.nn.Module,
         dispatch_output: "DispatchOutput",
     ) -> torch.Tensor:
-        # TODO: fix circular imports issues in sglang forcing us to import here instead of at
-        # the top of file.
-        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        from sglang.srt.layers.moe.moe_runner.aiter import (
+            AiterMoeQuantInfo,
+            AiterQuantType,
+        )
 
-        topk_output = dispatch_output.topk_output
         moe_runner_config = self.moe_runner_config
 
         # TODO: add triton kernel and add check get_bool_env_var("CK_MOE")
-        assert (
-            not moe_runner_config.no_combine
-        ), f"no_combine={moe_runner_config.no_combine} is not supported."
-
-        output = fused_moe(
-            dispatch_output.hidden_states,
-            layer.w13_weight,
-            layer.w2_weight,
-            topk_output.topk_weights,
-            topk_output.topk_ids,
-            quant_type=QuantType.per_Token,
-            w1_scale=layer.w13_int4_scale,
-            w2_scale=layer.w2_int4_scale,
-            activation=(
-                ActivationType.Silu
-                if moe_runner_config.activation == "silu"
-                else ActivationType.Gelu
-            ),
+        assert not moe_runner_config.no_combine, (
+            f"no_combine={moe_runner_config.no_combine} is not supported."
         )
 
-        return StandardCombineInput(hidden_states=output)
+        quant_info = AiterMoeQuantInfo(
+            w13_weight=layer.w13_weight,
+            w2_weight=layer.w2_weight,
+            quant_type=AiterQuantType.PER_TOKEN,
+            w13_scale=layer.w13_int4_scale,
+            w2_scale=layer.w2_int4_scale,
+        )
+        return self.runner.run(dispatch_output, quant_info)

@@ -1,3 +1,2 @@
 # Temp workaround, make layer utils more fine-grained later
 from sglang.srt.layers.utils.common import *
-from sglang.srt.layers.utils.multi_platform import MultiPlatformOp

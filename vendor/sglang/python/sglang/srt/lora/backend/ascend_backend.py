@@ -21,6 +21,47 @@ class AscendLoRABackend(BaseLoRABackend):
     ):
         super().__init__(max_loras_per_batch, device)
 
+    def run_lora_a_embedding(
+        self, input_ids, weights, vocab_size, extra_embeddings=None, *args, **kwargs
+    ):
+        assert extra_embeddings is None, (
+            "Ascend LoRA embedding backend does not support extra embeddings (added tokens)."
+        )
+
+        total_seq_len = input_ids.shape[0]
+        if weights.numel() == 0:
+            return torch.zeros(
+                total_seq_len, 0, device=input_ids.device, dtype=weights.dtype
+            )
+
+        num_loras, max_rank, vocab_size_w = weights.shape
+        clamped_ids = input_ids.clamp(0, vocab_size_w - 1).to(torch.int64)
+        token_lora_idx = torch.repeat_interleave(
+            self.batch_info.weight_indices.to(torch.int64),
+            self.batch_info.seg_lens,
+            output_size=total_seq_len,
+        )
+
+        rank_per_token = self.batch_info.lora_ranks[token_lora_idx]
+        scaling_per_token = self.batch_info.scalings[token_lora_idx]
+        rank_idx = torch.arange(max_rank, device=weights.device)
+        token_lora_idx_expanded = token_lora_idx.unsqueeze(1).expand(
+            total_seq_len, max_rank
+        )
+        rank_idx_expanded = rank_idx.unsqueeze(0).expand(total_seq_len, max_rank)
+        clamped_ids_expanded = clamped_ids.unsqueeze(1).expand(total_seq_len, max_rank)
+
+        result = weights[
+            token_lora_idx_expanded, rank_idx_expanded, clamped_ids_expanded
+        ]
+
+        rank_mask = rank_idx.unsqueeze(0) < rank_per_token.unsqueeze(1)
+        result = result * rank_mask.to(result.dtype)
+
+        result = result * scaling_per_token.unsqueeze(1).to(result.dtype)
+
+        return result
+
     def run_lora_a_sgemm(
         self, x: torch.Tensor, weights: torch.Tensor, *args, **kwargs
     ) -> torch.Tensor:
@@ -29,22 +70,17 @@ class AscendLoRABackend(BaseLoRABackend):
         _, weight_out_dim, _ = weights.shape
 
         output_tensor = torch.zeros(
-            (total_seq_len, weight_out_dim), dtype=x.dtype, device=x.device
+            (total_seq_len, weight_out_dim), dtype=torch.float, device=x.device
         )
-        torch.ops.npu.sgmv_shrink(
+        torch.ops.npu.sgemmv_shrink(
             x,
             weights,
             self.batch_info.weight_indices,
             self.batch_info.seg_lens,
+            self.batch_info.lora_ranks,
+            self.batch_info.scalings,
             output_tensor,
-            1.0,
         )
-        scaling = (
-            self.batch_info.scalings.gather(0, self.batch_info.weight_indices)
-            .repeat_interleave(self.batch_info.seg_lens, output_size=total_seq_len)
-            .unsqueeze(-1)
-        )
-        output_tensor *= scaling
 
         return output_tensor
 
@@ -52,6 +88,7 @@ class AscendLoRABackend(BaseLoRABackend):
         self,
         x: torch.Tensor,
         weights: torch.Tensor,
+        output_offset: torch.Tensor,
         base_output: torch.Tensor = None,
         *args,
         **kwargs,
@@ -66,14 +103,14 @@ class AscendLoRABackend(BaseLoRABackend):
         else:
             output_tensor = base_output
 
-        torch.ops.npu.sgmv_expand(
-            x,
+        torch.ops.npu.sgemmv_expand(
+            x.to(dtype=torch.float),
             weights,
             self.batch_info.weight_indices,
             self.batch_info.seg_lens,
+            self.batch_info.lora_ranks,
+            output_offset,
             output_tensor,
-            0,
-            weight_out_dim,
         )
 
         return output_tensor
@@ -84,19 +121,17 @@ class AscendLoRABackend(BaseLoRABackend):
         qkv_lora_a: torch.Tensor,
         qkv_lora_b: torch.Tensor,
         output_offset: torch.Tensor,
-        output_offset_cpu: torch.Tensor,
-        max_qkv_out_dim: int,
         base_output: torch.Tensor = None,
+        n_slices: int = 3,
         *args,
         **kwargs,
     ) -> torch.Tensor:
-        num_slices = 3
         assert isinstance(qkv_lora_b, torch.Tensor)
 
         total_seq_len, _ = x.shape
         _, weight_intermediate_dim, _ = qkv_lora_a.shape
         _, weight_out_dim, _ = qkv_lora_b.shape
-        max_rank = weight_intermediate_dim // num_slices
+        max_rank = weight_intermediate_dim // n_slices
 
         if base_output is None:
             output_tensor = torch.zeros(
@@ -106,37 +141,29 @@ class AscendLoRABackend(BaseLoRABackend):
             output_tensor = base_output
 
         lora_a_output = torch.zeros(
-            total_seq_len, weight_intermediate_dim, dtype=x.dtype, device=x.device
+            total_seq_len, weight_intermediate_dim, dtype=torch.float, device=x.device
         )
-        torch.ops.npu.sgmv_shrink(
+
+        torch.ops.npu.sgemmv_shrink(
             x,
             qkv_lora_a,
             self.batch_info.weight_indices,
             self.batch_info.seg_lens,
+            self.batch_info.lora_ranks,
+            self.batch_info.scalings,
             lora_a_output,
-            1.0,
+            n_slices,
         )
 
-        scaling = (
-            self.batch_info.scalings.gather(0, self.batch_info.weight_indices)
-            .repeat_interleave(self.batch_info.seg_lens, output_size=total_seq_len)
-            .unsqueeze(-1)
+        torch.ops.npu.sgemmv_expand(
+            lora_a_output,
+            qkv_lora_b,
+            self.batch_info.weight_indices,
+            self.batch_info.seg_lens,
+            self.batch_info.lora_ranks,
+            output_offset,
+            output_tensor,
         )
-        lora_a_output *= scaling
-
-        for slice_id in range(num_slices):
-            slice_offset = output_offset_cpu[slice_id]
-            slice_offset_next = output_offset_cpu[slice_id + 1]
-            slice_size = slice_offset_next - slice_offset
-            torch.ops.npu.sgmv_expand(
-                lora_a_output[:, (max_rank * slice_id) : (max_rank * (slice_id + 1))],
-                qkv_lora_b[:, slice_offset:slice_offset_next],
-                self.batch_info.weight_indices,
-                self.batch_info.seg_lens,
-                output_tensor,
-                slice_offset,
-                slice_size,
-            )
 
         return output_tensor
 
@@ -145,19 +172,18 @@ class AscendLoRABackend(BaseLoRABackend):
         x: torch.Tensor,
         gate_up_lora_a: torch.Tensor,
         gate_up_lora_b: torch.Tensor,
+        output_offset: torch.Tensor,
         base_output: torch.Tensor = None,
         *args,
         **kwargs,
     ) -> torch.Tensor:
 
-        num_slices = 2
         assert isinstance(gate_up_lora_b, torch.Tensor)
 
         total_seq_len, _ = x.shape
         _, weight_intermediate_dim, _ = gate_up_lora_a.shape
         _, weight_out_dim, _ = gate_up_lora_b.shape
-        slice_size = weight_out_dim // num_slices
-        max_rank = weight_intermediate_dim // num_slices
+        n_slices = 2
 
         if base_output is None:
             output_tensor = torch.zeros(
@@ -167,44 +193,36 @@ class AscendLoRABackend(BaseLoRABackend):
             output_tensor = base_output
 
         lora_a_output = torch.zeros(
-            total_seq_len, weight_intermediate_dim, dtype=x.dtype, device=x.device
+            total_seq_len, weight_intermediate_dim, dtype=torch.float, device=x.device
         )
 
-        torch.ops.npu.sgmv_shrink(
+        torch.ops.npu.sgemmv_shrink(
             x,
             gate_up_lora_a,
             self.batch_info.weight_indices,
             self.batch_info.seg_lens,
+            self.batch_info.lora_ranks,
+            self.batch_info.scalings,
             lora_a_output,
-            1.0,
+            n_slices,
         )
 
-        scaling = (
-            self.batch_info.scalings.gather(0, self.batch_info.weight_indices)
-            .repeat_interleave(self.batch_info.seg_lens, output_size=total_seq_len)
-            .unsqueeze(-1)
+        torch.ops.npu.sgemmv_expand(
+            lora_a_output,
+            gate_up_lora_b,
+            self.batch_info.weight_indices,
+            self.batch_info.seg_lens,
+            self.batch_info.lora_ranks,
+            output_offset,
+            output_tensor,
         )
-        lora_a_output *= scaling
-
-        slice_offset = 0
-        for slice_id in range(num_slices):
-            torch.ops.npu.sgmv_expand(
-                lora_a_output[:, (max_rank * slice_id) : (max_rank * (slice_id + 1))],
-                gate_up_lora_b[:, slice_offset : slice_offset + slice_size],
-                self.batch_info.weight_indices,
-                self.batch_info.seg_lens,
-                output_tensor,
-                slice_offset,
-                slice_size,
-            )
-            slice_offset += slice_size
 
         return output_tensor
 
-    def init_cuda_graph_batch_info(
+    def init_decode_cuda_graph_batch_info(
         self,
         max_bs_in_cuda_graph: int,
-        num_tokens_per_bs: int,
+        num_tokens_per_req: int,
     ):
         with torch.device("npu"):
             self.npu_graph_batch_info = LoRABatchInfo(
@@ -212,13 +230,13 @@ class AscendLoRABackend(BaseLoRABackend):
                 use_cuda_graph=True,
                 num_segments=None,
                 seg_lens=torch.full(
-                    (max_bs_in_cuda_graph,), num_tokens_per_bs, dtype=torch.int32
+                    (max_bs_in_cuda_graph,), num_tokens_per_req, dtype=torch.int32
                 ),
                 seg_indptr=torch.empty(max_bs_in_cuda_graph + 1, dtype=torch.int32),
-                max_len=num_tokens_per_bs,
+                max_len=num_tokens_per_req,
                 weight_indices=torch.zeros(max_bs_in_cuda_graph, dtype=torch.int32),
                 lora_ranks=torch.zeros(self.max_loras_per_batch, dtype=torch.int32),
-                scalings=torch.zeros(self.max_loras_per_batch, dtype=torch.float),
+                scalings=torch.zeros(self.max_loras_per_batch, dtype=torch.float16),
                 permutation=None,
             )
 
@@ -237,6 +255,7 @@ class AscendLoRABackend(BaseLoRABackend):
         lora_ranks: list[int],
         scalings: list[float],
         use_cuda_graph: bool,
+        use_prefill_cuda_graph: bool = False,
     ):
         # Use pinned memory to avoid synchronizations during host-to-device transfer
         weight_indices_tensor = torch.tensor(
@@ -246,15 +265,15 @@ class AscendLoRABackend(BaseLoRABackend):
             lora_ranks, dtype=torch.int32, pin_memory=True, device="cpu"
         )
         scalings_tensor = torch.tensor(
-            scalings, dtype=torch.float, pin_memory=True, device="cpu"
+            scalings, dtype=torch.float16, pin_memory=True, device="cpu"
         )
 
         bs = forward_batch.batch_size
 
         if use_cuda_graph:
-            assert (
-                self.npu_graph_batch_info is not None
-            ), "NPU Graph batch info is not initialized."
+            assert self.npu_graph_batch_info is not None, (
+                "NPU Graph batch info is not initialized."
+            )
             batch_info = self.npu_graph_batch_info
             batch_info.bs = forward_batch.batch_size
             batch_info.num_segments = forward_batch.batch_size
@@ -287,7 +306,7 @@ class AscendLoRABackend(BaseLoRABackend):
                     (self.max_loras_per_batch,), dtype=torch.int32, device=self.device
                 ),
                 scalings=torch.empty(
-                    (self.max_loras_per_batch,), dtype=torch.float, device=self.device
+                    (self.max_loras_per_batch,), dtype=torch.float16, device=self.device
                 ),
                 permutation=None,
             )
@@ -300,4 +319,6 @@ class AscendLoRABackend(BaseLoRABackend):
             scalings_tensor, non_blocking=True
         )
         batch_info.weight_indices[:bs].copy_(weight_indices_tensor, non_blocking=True)
+
+        batch_info = self._add_moe_lora_info(forward_batch, batch_info)
         self.batch_info = batch_info

@@ -30,6 +30,13 @@ def create_triton_csgmv_backend():
     return ChunkedSgmvLoRABackend
 
 
+@register_lora_backend("triton_v2")
+def create_triton_v2_backend():
+    from sglang.srt.lora.backend.triton_v2_backend import TritonV2LoRABackend
+
+    return TritonV2LoRABackend
+
+
 @register_lora_backend("ascend")
 def create_ascend_backend():
     from sglang.srt.lora.backend.ascend_backend import AscendLoRABackend
@@ -44,11 +51,11 @@ def create_torch_native_backend():
     return TorchNativeLoRABackend
 
 
-@register_lora_backend("flashinfer")
-def create_flashinfer_backend():
-    raise ValueError(
-        "FlashInfer LoRA backend has been deprecated, please use `triton` instead."
-    )
+@register_lora_backend("uno_cublas")
+def create_uno_cublas_backend():
+    from sglang.srt.lora.backend.uno_cublas_backend import UnoCublasLoRABackend
+
+    return UnoCublasLoRABackend
 
 
 def get_backend_from_name(name: str) -> Type[BaseLoRABackend]:

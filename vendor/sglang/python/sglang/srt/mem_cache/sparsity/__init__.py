@@ -1,7 +1,7 @@
 from sglang.srt.mem_cache.sparsity.algorithms import (
     BaseSparseAlgorithm,
     BaseSparseAlgorithmImpl,
-    DeepSeekNSAAlgorithm,
+    DeepSeekDSAAlgorithm,
     QuestAlgorithm,
 )
 from sglang.srt.mem_cache.sparsity.backend import BackendAdaptor, FlashAttentionAdaptor
@@ -9,6 +9,7 @@ from sglang.srt.mem_cache.sparsity.core import SparseConfig, SparseCoordinator
 from sglang.srt.mem_cache.sparsity.factory import (
     create_sparse_coordinator,
     get_sparse_coordinator,
+    parse_hisparse_config,
     register_sparse_coordinator,
 )
 
@@ -16,12 +17,13 @@ __all__ = [
     "BaseSparseAlgorithm",
     "BaseSparseAlgorithmImpl",
     "QuestAlgorithm",
-    "DeepSeekNSAAlgorithm",
+    "DeepSeekDSAAlgorithm",
     "BackendAdaptor",
     "FlashAttentionAdaptor",
     "SparseConfig",
     "SparseCoordinator",
     "create_sparse_coordinator",
     "get_sparse_coordinator",
+    "parse_hisparse_config",
     "register_sparse_coordinator",
 ]

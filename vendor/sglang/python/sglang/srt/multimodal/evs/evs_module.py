@@ -13,7 +13,6 @@
 # ==============================================================================
 
 
-import dataclasses
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -27,19 +26,6 @@ from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProces
 from sglang.utils import logger
 
 from .evs_core import compute_retention_mask, replace_offsets_with_tokens_per_frame
-
-
-@dataclasses.dataclass(kw_only=True)
-class EVSDataItem(MultimodalDataItem):
-    thw_grids: list[tuple[int, int, int]]
-
-
-@dataclasses.dataclass(kw_only=True)
-class VideoEVSDataItem(EVSDataItem):
-    pre_chunked_input_ids: torch.Tensor
-
-    def __post_init__(self):
-        assert self.is_video()
 
 
 @dataclass(kw_only=True)
@@ -65,14 +51,12 @@ class EVSEmbeddingResult(EmbeddingResult):
         input_ids: torch.Tensor,
         offsets: list[tuple[int, int]],
         *,
-        item: VideoEVSDataItem,
+        item: MultimodalDataItem,
         extend_prefix_len: int,
         extend_seq_len: int,
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         assert len(input_ids) == extend_seq_len
-        assert isinstance(
-            item, VideoEVSDataItem
-        ), f"Expected VideoEVSDataItem, got {type(item)}"
+        assert item.is_video() and "pre_chunked_input_ids" in item.model_specific_data
         pre_chunked_input_ids = item.pre_chunked_input_ids
         filler_token_id = item.pad_value
         input_ids_list = replace_offsets_with_tokens_per_frame(
@@ -88,9 +72,9 @@ class EVSEmbeddingResult(EmbeddingResult):
             input_ids, filler_token_id
         )
         input_ids = input_ids[extend_prefix_len : extend_prefix_len + extend_seq_len]
-        assert (
-            len(input_ids) == extend_seq_len
-        ), f"Input ids length changed after redistribution, got {len(input_ids)} != {extend_seq_len}"
+        assert len(input_ids) == extend_seq_len, (
+            f"Input ids length changed after redistribution, got {len(input_ids)} != {extend_seq_len}"
+        )
         return input_ids, offsets
 
 
@@ -100,9 +84,9 @@ class EVSConfig:
     spatial_merge_size: int = 1
 
     def __post_init__(self):
-        assert (
-            self.video_pruning_rate >= 0.0 and self.video_pruning_rate < 1.0
-        ), f"Video pruning rate must be between 0.0 and 1.0, got {self.video_pruning_rate=}"
+        assert self.video_pruning_rate >= 0.0 and self.video_pruning_rate < 1.0, (
+            f"Video pruning rate must be between 0.0 and 1.0, got {self.video_pruning_rate=}"
+        )
 
 
 class EVS(torch.nn.Module, ABC):
@@ -146,24 +130,28 @@ class EVS(torch.nn.Module, ABC):
                 f"[EVS] requested on model {model_name} but is disabled for pruning_rate == 0.0."
             )
 
-    def evs_video(self, items: list[MultimodalDataItem]) -> EVSEmbeddingResult:
+    def evs_video(
+        self, items: list[MultimodalDataItem]
+    ) -> EVSEmbeddingResult | torch.Tensor:
         """
         Apply EVS pruning to video embeddings.
 
         Args:
-            items: List containing a single VideoEVSDataItem with video features.
+            items: EVS video items; more than one only when every video is a single frame.
 
         Returns:
-            EVSEmbeddingResult with pruned embeddings and actual token counts per frame.
+            EVSEmbeddingResult with pruned embeddings and actual token counts per frame,
+            or the unpruned features when every video is a single frame.
         """
+        if all(t == 1 for item in items for t, _, _ in item.thw_grids):
+            # The first frame is never pruned, so single-frame videos have nothing to prune.
+            return self.original_get_video_feature(items)
         logger.debug(
             f"[EVS] beginning for model {self.__class__.__name__} [evs_config={self.evs_config=}]"
         )
         assert len(items) == 1, f"Expected 1 item, got {len(items)}"
         item = items[0]
-        assert isinstance(
-            item, VideoEVSDataItem
-        ), f"Expected VideoEVSDataItem with modality VIDEO, got {item}"
+        assert item.is_video() and "thw_grids" in item.model_specific_data
 
         q = self.evs_config.video_pruning_rate
         merge = self.evs_config.spatial_merge_size

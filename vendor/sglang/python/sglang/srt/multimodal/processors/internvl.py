@@ -6,22 +6,30 @@ from typing import List
 
 import numpy as np
 import torch
-from decord import VideoReader, cpu, gpu
 from PIL import Image
 
-from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem
+from sglang.srt.managers.schedule_batch import (
+    Modality,
+    MultimodalDataItem,
+    MultimodalProcessorOutput,
+)
 from sglang.srt.models.interns1 import InternS1ForConditionalGeneration
 from sglang.srt.models.internvl import InternVLChatModel
 from sglang.srt.multimodal.processors.base_processor import (
     BaseMultimodalProcessor,
+    BaseMultiModalProcessorOutput,
     MultimodalSpecialTokens,
 )
+from sglang.srt.runtime_context import get_model
+from sglang.srt.utils import get_device
+from sglang.srt.utils.video_decoder import VideoDecoderWrapper
 
 logger = logging.getLogger(__name__)
 
 
 class InternVLProcessor(BaseMultimodalProcessor):
     models = [InternVLChatModel, InternS1ForConditionalGeneration]
+    gpu_image_decode = False  # InternVL HF processor does not support tensor inputs
 
     IMAGENET_MEAN = [0.485, 0.456, 0.406]
     IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -128,7 +136,7 @@ class InternVLProcessor(BaseMultimodalProcessor):
         ).build(_image_processor)
 
         self.max_context_len = (
-            getattr(server_args, "context_length", None)
+            get_model().context_length
             or getattr(server_args, "max_context_len", None)
             or getattr(hf_config, "max_position_embeddings", None)
             or getattr(text_cfg, "max_position_embeddings", None)
@@ -201,14 +209,8 @@ class InternVLProcessor(BaseMultimodalProcessor):
         return torch.stack(tiles).to(torch.bfloat16)
 
     @staticmethod
-    def _open_video_reader(path: str) -> VideoReader:
-        try:
-            return VideoReader(path, ctx=gpu(0), num_threads=1)
-        except (RuntimeError, OSError) as e:
-            logger.warning(
-                "[internvl] VideoReader gpu decode failed (%s), fallback CPU", e
-            )
-            return VideoReader(path, ctx=cpu(0), num_threads=1)
+    def _open_video_reader(path: str):
+        return VideoDecoderWrapper(path)
 
     def _ensure_placeholders_before_assistant(
         self, prompt: str, placeholder: str, want: int
@@ -255,9 +257,113 @@ class InternVLProcessor(BaseMultimodalProcessor):
         frames_per_video = max(1, max_total_frames // max(num_videos, 1))
         return max(1, min(int(requested), int(frames_per_video)))
 
+    @staticmethod
+    def _has_special_format(image_data, video_data):
+        """Check if any input items use processor_output or precomputed_embedding format."""
+        for data in list(image_data or []) + list(video_data or []):
+            if isinstance(data, dict) and data.get("format") in (
+                "processor_output",
+                "precomputed_embedding",
+            ):
+                return True
+        return False
+
+    async def _process_special_format(
+        self, image_data, video_data, input_text, request_obj, **kwargs
+    ):
+        """Handle processor_output and precomputed_embedding input formats.
+
+        Delegates to the base class process_and_combine_mm_data which has
+        built-in support for these formats.
+        """
+        # When user provides input_ids directly, input_text may be a list of ints
+        if isinstance(input_text, list):
+            user_input_ids = input_text
+            prompt = ""
+        else:
+            user_input_ids = None
+            prompt = input_text or ""
+
+        # When the prompt is empty (user provided input_ids directly),
+        # load_mm_data can't match multimodal tokens to data items.
+        # Build BaseMultiModalProcessorOutput directly from the dict items.
+        if not prompt and (image_data or video_data):
+            images = [d for d in (image_data or []) if isinstance(d, dict)]
+            videos = [d for d in (video_data or []) if isinstance(d, dict)]
+
+            # Raise if raw (non-dict) images/videos were silently filtered out.
+            # InternVL cannot process raw images without a text prompt because
+            # dynamic tiling and placeholder expansion require the prompt string.
+            raw_img_dropped = len(image_data or []) - len(images)
+            raw_vid_dropped = len(video_data or []) - len(videos)
+            if raw_img_dropped > 0 or raw_vid_dropped > 0:
+                raise ValueError(
+                    f"[internvl] Cannot process raw images/videos with pre-tokenized "
+                    f"input_ids. Provide multimodal data in 'processor_output' or "
+                    f"'precomputed_embedding' format, or use a text prompt instead. "
+                    f"(raw images dropped: {raw_img_dropped}, "
+                    f"raw videos dropped: {raw_vid_dropped})"
+                )
+
+            base_output = BaseMultiModalProcessorOutput(
+                input_text=prompt,
+                images=images,
+                videos=videos,
+            )
+        else:
+            base_output = await self.load_mm_data(
+                prompt=prompt,
+                image_data=image_data,
+                video_data=video_data,
+                multimodal_tokens=self.mm_tokens,
+                discard_alpha_channel=True,
+            )
+
+        mm_items, input_ids_tensor, ret = await self.process_and_combine_mm_data_async(
+            base_output, self.mm_tokens
+        )
+
+        # If user provided input_ids directly, use those and recompute offsets
+        if user_input_ids is not None:
+            input_ids_tensor = torch.tensor(user_input_ids, dtype=torch.long)
+            for mm_item in mm_items:
+                if (
+                    mm_item.modality == Modality.VIDEO
+                    and self.video_token_id is not None
+                ):
+                    mm_token_id = self.video_token_id
+                else:
+                    mm_token_id = self.img_context_token_id
+                mm_item.offsets = self.get_mm_items_offset(
+                    input_ids=input_ids_tensor,
+                    mm_token_id=mm_token_id,
+                )
+
+        return MultimodalProcessorOutput(
+            input_ids=input_ids_tensor.flatten().tolist(),
+            mm_items=mm_items,
+            im_start_id=self.img_start_token_id,
+            im_end_id=self.img_end_token_id,
+            im_token_id=self.img_context_token_id,
+            video_token_id=self.video_token_id,
+        )
+
     async def process_mm_data_async(
         self, image_data, input_text, request_obj, **kwargs
     ):
+        video_data = getattr(request_obj, "video_data", None) or []
+
+        # Handle processor_output and precomputed_embedding formats
+        if isinstance(input_text, list) or self._has_special_format(
+            image_data, video_data
+        ):
+            return await self._process_special_format(
+                image_data=image_data,
+                video_data=video_data,
+                input_text=input_text,
+                request_obj=request_obj,
+                **kwargs,
+            )
 
         is_internlm2 = self.llm_arch == "InternLM2ForCausalLM"
 
@@ -318,7 +424,7 @@ class InternVLProcessor(BaseMultimodalProcessor):
             prompt.count(self.VIDEO_PLACEHOLDER_TOKEN),
         )
 
-        base_output = self.load_mm_data(
+        base_output = await self.load_mm_data(
             prompt=prompt,
             image_data=image_data,
             video_data=video_data,
@@ -332,7 +438,7 @@ class InternVLProcessor(BaseMultimodalProcessor):
             len(base_output.videos),
         )
 
-        mean, std = self._get_normalize_tensors(device="cuda")
+        mean, std = self._get_normalize_tensors(device=get_device())
 
         # ----- Images -> tiles -----
         num_patches_list: List[int] = []
@@ -342,10 +448,11 @@ class InternVLProcessor(BaseMultimodalProcessor):
             if isinstance(image, Image.Image):
                 img_np = np.array(image.convert("RGB"))
                 tensor = (
-                    torch.from_numpy(img_np).permute(2, 0, 1).cuda().float() / 255.0
+                    torch.from_numpy(img_np).permute(2, 0, 1).to(get_device()).float()
+                    / 255.0
                 )
             else:
-                tensor = image.cuda()
+                tensor = image.to(get_device())
 
             tensor = (tensor - mean) / std
             tiles = self.dynamic_preprocess(
@@ -380,11 +487,8 @@ class InternVLProcessor(BaseMultimodalProcessor):
 
         if base_output.videos and num_frames > 0 and self.video_token_id is not None:
             for video in base_output.videos:
-                vr = (
-                    video
-                    if isinstance(video, VideoReader)
-                    else self._open_video_reader(str(video))
-                )
+                is_video_obj = isinstance(video, VideoDecoderWrapper)
+                vr = video if is_video_obj else self._open_video_reader(str(video))
                 max_frame = len(vr) - 1
                 frame_indices = (
                     [0]
@@ -395,14 +499,13 @@ class InternVLProcessor(BaseMultimodalProcessor):
                 per_video_tiles = []
                 per_video_patch_cnt = []
                 for fi in frame_indices:
-                    frame = vr[int(fi)]
-                    img_np = (
-                        frame.asnumpy()
-                        if hasattr(frame, "asnumpy")
-                        else np.array(frame)
-                    )
+                    img_np = vr[int(fi)]
                     frame_t = (
-                        torch.from_numpy(img_np).permute(2, 0, 1).cuda().float() / 255.0
+                        torch.from_numpy(img_np)
+                        .permute(2, 0, 1)
+                        .to(get_device())
+                        .float()
+                        / 255.0
                     )
                     frame_t = (frame_t - mean) / std
 
@@ -460,7 +563,7 @@ class InternVLProcessor(BaseMultimodalProcessor):
                         + (self.VIDEO_CONTEXT_TOKEN * ctx_cnt)
                         + self.IMG_END
                     )
-                    frame_lines.append(f"Frame {i+1}: {frame_tokens}")
+                    frame_lines.append(f"Frame {i + 1}: {frame_tokens}")
                 video_tokens = "\n".join(frame_lines) + "\n"
                 input_text_updated = input_text_updated.replace(vid_ph, video_tokens, 1)
 
@@ -474,24 +577,34 @@ class InternVLProcessor(BaseMultimodalProcessor):
         image_offsets = []
         if image_tensor is not None:
             image_offsets = self.get_mm_items_offset(
-                input_ids=input_ids_tensor.to("cuda"),
+                input_ids=input_ids_tensor.to(get_device()),
                 mm_token_id=self.img_context_token_id,
             )
 
         video_offsets = []
         if video_tensor is not None and self.video_token_id is not None:
             video_offsets = self.get_mm_items_offset(
-                input_ids=input_ids_tensor.to("cuda"),
+                input_ids=input_ids_tensor.to(get_device()),
                 mm_token_id=self.video_token_id,
             )
 
         items = []
         if image_tensor is not None:
-            items.append(
-                MultimodalDataItem(
-                    feature=image_tensor, modality=Modality.IMAGE, offsets=image_offsets
-                )
+            # Split per-image for better cache granularity
+            assert len(num_patches_list) == len(image_offsets), (
+                f"InternVL: num_patches_list ({len(num_patches_list)}) != "
+                f"image_offsets ({len(image_offsets)})"
             )
+            cumulative = 0
+            for i, num_patches in enumerate(num_patches_list):
+                items.append(
+                    MultimodalDataItem(
+                        feature=image_tensor[cumulative : cumulative + num_patches],
+                        modality=Modality.IMAGE,
+                        offsets=[image_offsets[i]],
+                    )
+                )
+                cumulative += num_patches
         if video_tensor is not None:
             items.append(
                 MultimodalDataItem(
@@ -499,14 +612,14 @@ class InternVLProcessor(BaseMultimodalProcessor):
                 )
             )
 
-        return {
-            "input_ids": input_ids,
-            "mm_items": items,
-            "im_start_id": self.img_start_token_id,
-            "im_end_id": self.img_end_token_id,
-            "im_token_id": self.img_context_token_id,
-            "video_token_id": self.video_token_id,
-        }
+        return MultimodalProcessorOutput(
+            input_ids=input_ids,
+            mm_items=items,
+            im_start_id=self.img_start_token_id,
+            im_end_id=self.img_end_token_id,
+            im_token_id=self.img_context_token_id,
+            video_token_id=self.video_token_id,
+        )
 
     async def process_internlm2_mm_data_async(
         self, image_data, input_text, request_obj, **kwargs
@@ -532,14 +645,14 @@ class InternVLProcessor(BaseMultimodalProcessor):
             prompt.count(self.IMG_CONTEXT),
         )
 
-        base_output = self.load_mm_data(
+        base_output = await self.load_mm_data(
             prompt=prompt,
             image_data=image_data,
             multimodal_tokens=self.mm_tokens_internlm2,  # expects <IMG_CONTEXT>
             discard_alpha_channel=True,
         )
 
-        mean, std = self._get_normalize_tensors(device="cuda")
+        mean, std = self._get_normalize_tensors(device=get_device())
 
         num_patches_list: List[int] = []
         pixel_values_list: List[torch.Tensor] = []
@@ -548,10 +661,11 @@ class InternVLProcessor(BaseMultimodalProcessor):
             if isinstance(image, Image.Image):
                 img_np = np.array(image.convert("RGB"))
                 tensor = (
-                    torch.from_numpy(img_np).permute(2, 0, 1).cuda().float() / 255.0
+                    torch.from_numpy(img_np).permute(2, 0, 1).to(get_device()).float()
+                    / 255.0
                 )
             else:
-                tensor = image.cuda()
+                tensor = image.to(get_device())
 
             tensor = (tensor - mean) / std
             tiles = self.dynamic_preprocess(
@@ -594,23 +708,33 @@ class InternVLProcessor(BaseMultimodalProcessor):
         image_offsets = []
         if pixel_values is not None:
             image_offsets = self.get_mm_items_offset(
-                input_ids=input_ids_tensor.to("cuda"),
+                input_ids=input_ids_tensor.to(get_device()),
                 mm_token_id=self.img_context_token_id,
             )
 
         items = []
         if pixel_values is not None:
-            items.append(
-                MultimodalDataItem(
-                    feature=pixel_values, modality=Modality.IMAGE, offsets=image_offsets
-                )
+            # Split per-image for better cache granularity
+            assert len(num_patches_list) == len(image_offsets), (
+                f"InternVL: num_patches_list ({len(num_patches_list)}) != "
+                f"image_offsets ({len(image_offsets)})"
             )
+            cumulative = 0
+            for i, num_patches in enumerate(num_patches_list):
+                items.append(
+                    MultimodalDataItem(
+                        feature=pixel_values[cumulative : cumulative + num_patches],
+                        modality=Modality.IMAGE,
+                        offsets=[image_offsets[i]],
+                    )
+                )
+                cumulative += num_patches
 
-        return {
-            "input_ids": input_ids,
-            "mm_items": items,
-            "im_start_id": self.img_start_token_id,
-            "im_end_id": self.img_end_token_id,
-            "im_token_id": self.img_context_token_id,
-            "video_token_id": self.video_token_id,
-        }
+        return MultimodalProcessorOutput(
+            input_ids=input_ids,
+            mm_items=items,
+            im_start_id=self.img_start_token_id,
+            im_end_id=self.img_end_token_id,
+            im_token_id=self.img_context_token_id,
+            video_token_id=self.video_token_id,
+        )

@@ -1,13 +1,20 @@
 import asyncio
+import os
+from concurrent.futures.process import BrokenProcessPool
 from typing import Dict, List, Optional, Union
 
 import numpy as np
+import requests
 from transformers.models.auto.processing_auto import (
     PROCESSOR_MAPPING_NAMES as HF_MAPPING_NAMES,
 )
 
 import sglang.srt.managers.multimodal_processor as sgl_mm_processor_utils
-from sglang.srt.managers.schedule_batch import Modality, MultimodalDataItem
+from sglang.srt.managers.schedule_batch import (
+    Modality,
+    MultimodalDataItem,
+    MultimodalProcessorOutput,
+)
 from sglang.srt.models.llava import (
     LlavaForConditionalGeneration,
     LlavaLlamaForCausalLM,
@@ -16,9 +23,19 @@ from sglang.srt.models.llava import (
 )
 from sglang.srt.models.llavavid import LlavaVidForCausalLM
 from sglang.srt.models.mistral import Mistral3ForConditionalGeneration
-from sglang.srt.multimodal.mm_utils import expand2square, process_anyres_image
+from sglang.srt.multimodal.mm_utils import (
+    ensure_numpy,
+    expand2square,
+    process_anyres_image,
+)
 from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
-from sglang.srt.utils import ImageData, load_image, logger
+from sglang.srt.utils import (
+    CLIENT_MEDIA_EXCEPTIONS,
+    ImageData,
+    get_image_bytes,
+    load_image,
+    logger,
+)
 from sglang.utils import get_exception_traceback
 
 
@@ -29,34 +46,37 @@ class LlavaImageProcessor(BaseMultimodalProcessor):
         LlavaQwenForCausalLM,
         LlavaMistralForCausalLM,
     ]
+    gpu_image_decode = False  # Llava processes loaded image as PIL image explicitly
 
     def __init__(self, hf_config, server_args, _processor, *args, **kwargs):
         super().__init__(hf_config, server_args, _processor, *args, **kwargs)
 
     @staticmethod
-    def _process_single_image_task(
-        image_data: Union[str, bytes, ImageData],
+    def _preprocess_image_task(
+        image_input,
+        image_hash,
         image_aspect_ratio: Optional[str] = None,
         image_grid_pinpoints: Optional[str] = None,
         processor=None,
     ):
-
+        # CPU-bound decode + preprocessing. `image_input` is either the raw bytes
+        # of a remote image (already fetched off the cpu pool) or a local/inline
+        # input load_image can resolve without network. Either way decode happens
+        # here, parallel across cpu workers, and only compact data crosses the
+        # process boundary (never a decoded image).
         image_processor = processor.image_processor
 
         try:
-            url = image_data.url if isinstance(image_data, ImageData) else image_data
-            image, image_size = load_image(url)
+            image, image_size = load_image(image_input, False)
             if image_size is not None:
                 # It is a video with multiple images
-                image_hash = hash(url)
                 pixel_values = image_processor(image)["pixel_values"]
-                for _ in range(len(pixel_values)):
-                    pixel_values[_] = pixel_values[_].astype(np.float16)
+                for i in range(len(pixel_values)):
+                    pixel_values[i] = ensure_numpy(pixel_values[i]).astype(np.float16)
                 pixel_values = np.stack(pixel_values, axis=0)
                 return pixel_values, image_hash, image_size
             else:
                 # It is an image
-                image_hash = hash(url)
                 if image_aspect_ratio == "pad":
                     image = expand2square(
                         image,
@@ -75,12 +95,37 @@ class LlavaImageProcessor(BaseMultimodalProcessor):
                 else:
                     pixel_values = image_processor(image)["pixel_values"][0]
 
+                pixel_values = ensure_numpy(pixel_values)
                 if isinstance(pixel_values, np.ndarray):
                     pixel_values = pixel_values.astype(np.float16)
 
                 return pixel_values, image_hash, image.size
+        except CLIENT_MEDIA_EXCEPTIONS as error:
+            raise ValueError(f"Error while processing image: {error}") from error
         except Exception:
             logger.error("Exception in TokenizerManager:\n" + get_exception_traceback())
+            raise
+
+    async def _fetch_remote_image_bytes(self, url):
+        # Fetch a remote image's compressed bytes in the io thread pool, retrying
+        # only transient network failures. Each attempt is bounded by
+        # REQUEST_TIMEOUT inside download_remote_media, so total time is bounded.
+        loop = asyncio.get_running_loop()
+        max_retries = max(0, int(os.environ.get("SGLANG_MM_LOAD_MAX_RETRIES", "2")))
+        delay = 0.5
+        for attempt in range(max_retries + 1):
+            try:
+                return await loop.run_in_executor(
+                    self.io_executor, get_image_bytes, url
+                )
+            except (
+                requests.exceptions.Timeout,
+                requests.exceptions.ConnectionError,
+            ):
+                if attempt >= max_retries:
+                    raise
+                await asyncio.sleep(delay)
+                delay *= 2
 
     async def _process_single_image(
         self,
@@ -88,22 +133,53 @@ class LlavaImageProcessor(BaseMultimodalProcessor):
         aspect_ratio: str,
         grid_pinpoints: str,
     ):
+        url = image_data.url if isinstance(image_data, ImageData) else image_data
+        image_hash = hash(url) if isinstance(url, (str, bytes)) else None
+
+        # Only remote URLs hit the network, and that fetch is what used to sit
+        # inside the cpu-preprocess timeout budget. Pull it into the io pool so a
+        # slow fetch can't starve cpu workers or trip the CPU timeout. Local and
+        # inline inputs (file://, data:, base64, bytes) decode instantly in the
+        # worker, so pass them through unchanged.
+        image_input = url
+        if isinstance(url, str) and url.startswith(("http://", "https://")):
+            image_input = await self._fetch_remote_image_bytes(url)
+
         if self.cpu_executor is not None:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self.cpu_executor,
-                LlavaImageProcessor._process_single_image_task,
-                image_data,
+            executor = self.cpu_executor
+            timeout = int(os.environ.get("REQUEST_TIMEOUT", "10"))
+            deadline = loop.time() + timeout
+            try:
+                # ProcessPoolExecutor.submit() can itself block after a worker
+                # exits. Keep submission off the request event loop so the
+                # timeout can still replace the failed pool.
+                process_future = await asyncio.wait_for(
+                    asyncio.to_thread(
+                        executor.submit,
+                        LlavaImageProcessor._preprocess_image_task,
+                        image_input,
+                        image_hash,
+                        aspect_ratio,
+                        grid_pinpoints,
+                        self._processor,
+                    ),
+                    timeout=timeout,
+                )
+                remaining = max(0.0, deadline - loop.time())
+                return await asyncio.wait_for(
+                    asyncio.wrap_future(process_future), timeout=remaining
+                )
+            except (BrokenProcessPool, asyncio.TimeoutError):
+                self._replace_broken_cpu_executor(executor)
+                raise
+        else:
+            return LlavaImageProcessor._preprocess_image_task(
+                image_input,
+                image_hash,
                 aspect_ratio,
                 grid_pinpoints,
                 self._processor,
-            )
-        else:
-            return self._process_single_image_task(
-                image_data,
-                aspect_ratio,
-                grid_pinpoints,
-                self._processor.image_processor,
             )
 
     def _process_precomputed_image_data(self, image_data: List[Dict]) -> Dict:
@@ -130,7 +206,7 @@ class LlavaImageProcessor(BaseMultimodalProcessor):
                     model_specific_data=item,
                 )
             )
-        return {"mm_items": mm_items}
+        return MultimodalProcessorOutput(mm_items=mm_items)
 
     async def process_mm_data_async(
         self,
@@ -178,35 +254,40 @@ class LlavaImageProcessor(BaseMultimodalProcessor):
                     pixel_values.append(pixel_v)
                     data_hashes.append(image_h)
                     image_sizes.append(image_s)
-
-                if isinstance(pixel_values[0], np.ndarray):
-                    pixel_values = np.stack(pixel_values, axis=0)
             else:
                 # A single image
                 pixel_values, image_hash, image_size = await self._process_single_image(
                     image_data[0], aspect_ratio, grid_pinpoints
                 )
+                pixel_values = [pixel_values]
                 image_sizes = [image_size]
         else:
             raise ValueError(f"Invalid image data: {image_data}")
         modality = Modality.IMAGE
         if isinstance(request_obj.modalities, list):
-            if request_obj.modalities[0] == "multi-images":
-                modality = Modality.MULTI_IMAGES
-            elif request_obj.modalities[0] == "video":
+            if request_obj.modalities[0] == "video":
                 modality = Modality.VIDEO
 
-        return {
-            "mm_items": [
+        # Create one item per image for better cache granularity
+        mm_items = []
+        for pixel_v, image_s in zip(pixel_values, image_sizes):
+            # Ensure ndim=4 so the model forward takes the correct encode branch
+            if isinstance(pixel_v, np.ndarray) and pixel_v.ndim == 3:
+                pixel_v = np.expand_dims(pixel_v, 0)
+            mm_items.append(
                 MultimodalDataItem(
-                    feature=pixel_values,
+                    feature=pixel_v,
                     model_specific_data={
-                        "image_sizes": image_sizes,
+                        "image_sizes": [image_s],
+                        "image_aspect_ratio": aspect_ratio,
                     },
                     modality=modality,
                 )
-            ],
-        }
+            )
+
+        return MultimodalProcessorOutput(
+            mm_items=mm_items,
+        )
 
 
 class LlavaMultimodalProcessor(BaseMultimodalProcessor):

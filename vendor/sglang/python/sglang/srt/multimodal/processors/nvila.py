@@ -6,6 +6,7 @@ from transformers.processing_utils import ProcessorMixin
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
 from sglang.srt.models.jet_vlm import JetVLMForConditionalGeneration
 from sglang.srt.models.nvila import NVILAForConditionalGeneration
 from sglang.srt.models.nvila_lite import NVILALiteForConditionalGeneration
@@ -54,7 +55,7 @@ class NVILAMultimodalProcessor(BaseMultimodalProcessor):
         request_obj: GenerateReqInput,
         **kwargs,
     ) -> dict[str, Any] | None:
-        base_output = self.load_mm_data(
+        base_output = await self.load_mm_data(
             prompt=input_text,
             multimodal_tokens=self.mm_tokens,
             image_data=request_obj.image_data,  # type: ignore
@@ -64,16 +65,16 @@ class NVILAMultimodalProcessor(BaseMultimodalProcessor):
         for i, video in enumerate(base_output.videos):  # type: ignore
             base_output.videos[i] = [x.asnumpy() for x in video]  # type: ignore
 
-        mm_items, input_ids, _ = self.process_and_combine_mm_data(
+        mm_items, input_ids, _ = await self.process_and_combine_mm_data_async(
             base_output,
             self.mm_tokens,
             do_sample_frames=True,
             num_frames=NUM_VIDEO_FRAMES,
         )
 
-        return {
-            "input_ids": input_ids.tolist(),
-            "mm_items": mm_items,
-            "im_token_id": self.mm_tokens.image_token_id,
-            "video_token_id": self.mm_tokens.video_token_id,
-        }
+        return MultimodalProcessorOutput(
+            input_ids=input_ids.tolist(),
+            mm_items=mm_items,
+            im_token_id=self.mm_tokens.image_token_id,
+            video_token_id=self.mm_tokens.video_token_id,
+        )

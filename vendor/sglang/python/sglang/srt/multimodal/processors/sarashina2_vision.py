@@ -1,10 +1,49 @@
+import types
 from typing import List, Union
 
+from sglang.srt.managers.schedule_batch import MultimodalProcessorOutput
 from sglang.srt.models.sarashina2_vision import Sarashina2VisionForCausalLM
 from sglang.srt.multimodal.processors.base_processor import (
     BaseMultimodalProcessor,
     MultimodalSpecialTokens,
 )
+
+# Sarashina2Vision's remote-code `_preprocess` takes a narrow kwarg set, while
+# transformers' `preprocess` forwards its full one, so the extras have to be
+# dropped.
+_PREPROCESS_PARAMS = frozenset(
+    {
+        "do_resize",
+        "resample",
+        "do_rescale",
+        "rescale_factor",
+        "do_normalize",
+        "image_mean",
+        "image_std",
+        "do_convert_rgb",
+        "data_format",
+        "input_data_format",
+    }
+)
+
+
+def _install_preprocess_kwarg_filter(image_processor) -> None:
+    """Drop the kwargs Sarashina2Vision's `_preprocess` cannot accept.
+
+    Bound with `types.MethodType` rather than closing over `image_processor`, so
+    that a preprocessing worker's `copy.deepcopy` rebinds `__self__` to its own
+    clone instead of routing every thread back into this one.
+    """
+    unfiltered_preprocess = type(image_processor)._preprocess
+
+    def _preprocess(self, *args, **kwargs):
+        return unfiltered_preprocess(
+            self,
+            *args,
+            **{k: v for k, v in kwargs.items() if k in _PREPROCESS_PARAMS},
+        )
+
+    image_processor._preprocess = types.MethodType(_preprocess, image_processor)
 
 
 class Sarashina2VisionProcessor(BaseMultimodalProcessor):
@@ -24,33 +63,10 @@ class Sarashina2VisionProcessor(BaseMultimodalProcessor):
             image_token_id=self.IM_TOKEN_ID,
         ).build(_processor)
 
-        # Patch the processor's image processor to handle parameter compatibility
         if hasattr(_processor, "image_processor") and hasattr(
-            _processor.image_processor, "_preprocess"
+            type(_processor.image_processor), "_preprocess"
         ):
-            original_preprocess = _processor.image_processor._preprocess
-
-            def patched_preprocess(*args, **kwargs):
-                # Filter kwargs to only include parameters that the custom _preprocess method accepts
-                # Based on Sarashina2VisionImageProcessor._preprocess signature
-                allowed_params = {
-                    "do_resize",
-                    "resample",
-                    "do_rescale",
-                    "rescale_factor",
-                    "do_normalize",
-                    "image_mean",
-                    "image_std",
-                    "do_convert_rgb",
-                    "data_format",
-                    "input_data_format",
-                }
-                filtered_kwargs = {
-                    k: v for k, v in kwargs.items() if k in allowed_params
-                }
-                return original_preprocess(*args, **filtered_kwargs)
-
-            _processor.image_processor._preprocess = patched_preprocess
+            _install_preprocess_kwarg_filter(_processor.image_processor)
 
     async def process_mm_data_async(
         self,
@@ -61,21 +77,21 @@ class Sarashina2VisionProcessor(BaseMultimodalProcessor):
         **kwargs,
     ):
         """Process image data for Sarashina2Vision model using standard SGLang pattern."""
-        base_output = self.load_mm_data(
+        base_output = await self.load_mm_data(
             prompt=input_text,
             image_data=image_data,
             multimodal_tokens=self.mm_tokens,
         )
 
-        mm_items, input_ids, ret = self.process_and_combine_mm_data(
+        mm_items, input_ids, ret = await self.process_and_combine_mm_data_async(
             base_output=base_output,
             mm_tokens=self.mm_tokens,
         )
 
-        return {
-            "mm_items": mm_items,
-            "input_ids": input_ids.tolist(),
-            "im_token_id": self.mm_tokens.image_token_id,
-            "im_start_id": self.IM_START_ID,
-            "im_end_id": self.IM_END_ID,
-        }
+        return MultimodalProcessorOutput(
+            mm_items=mm_items,
+            input_ids=input_ids.tolist(),
+            im_token_id=self.mm_tokens.image_token_id,
+            im_start_id=self.IM_START_ID,
+            im_end_id=self.IM_END_ID,
+        )

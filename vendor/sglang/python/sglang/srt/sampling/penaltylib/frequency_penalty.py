@@ -1,6 +1,7 @@
 import torch
 
 from sglang.srt.sampling.penaltylib.orchestrator import _BatchedPenalizer
+from sglang.srt.utils.common import is_pin_memory_available
 
 
 class BatchedFrequencyPenalizer(_BatchedPenalizer):
@@ -15,6 +16,7 @@ class BatchedFrequencyPenalizer(_BatchedPenalizer):
         )
 
     def _prepare(self):
+        pin_memory = is_pin_memory_available(self.orchestrator.device)
         self.cumulated_frequency_penalties = torch.zeros(
             (len(self.orchestrator.reqs()), self.orchestrator.vocab_size),
             dtype=torch.float32,
@@ -28,9 +30,11 @@ class BatchedFrequencyPenalizer(_BatchedPenalizer):
                     for req in self.orchestrator.reqs()
                 ],
                 dtype=torch.float32,
-                device=self.orchestrator.device,
+                pin_memory=pin_memory,
             )
-        ).unsqueeze_(1)
+            .to(self.orchestrator.device, non_blocking=True)
+            .unsqueeze_(1)
+        )
 
     def _cumulate_output_tokens(self, output_ids: torch.Tensor):
         self.cumulated_frequency_penalties.scatter_add_(

@@ -1,6 +1,7 @@
 import torch
 
 from sglang.srt.sampling.penaltylib.orchestrator import _BatchedPenalizer
+from sglang.srt.utils.common import is_pin_memory_available
 
 
 class BatchedMinNewTokensPenalizer(_BatchedPenalizer):
@@ -14,31 +15,48 @@ class BatchedMinNewTokensPenalizer(_BatchedPenalizer):
         )
 
     def _prepare(self):
-        self.min_new_tokens = torch.tensor(
-            data=[
-                req.sampling_params.min_new_tokens for req in self.orchestrator.reqs()
-            ],
-            dtype=torch.int32,
-            device=self.orchestrator.device,
-        ).unsqueeze_(1)
+        pin_memory = is_pin_memory_available(self.orchestrator.device)
+        self.min_new_tokens = (
+            torch.tensor(
+                data=[
+                    req.sampling_params.min_new_tokens
+                    for req in self.orchestrator.reqs()
+                ],
+                dtype=torch.int32,
+                pin_memory=pin_memory,
+            )
+            .to(self.orchestrator.device, non_blocking=True)
+            .unsqueeze_(1)
+        )
 
-        padded_stop_token_ids = torch.nn.utils.rnn.pad_sequence(
+        padded_stop_token_ids_cpu = torch.nn.utils.rnn.pad_sequence(
             sequences=[
                 torch.tensor(
-                    data=(
-                        list(
+                    data=[
+                        token_id
+                        for token_id in (
                             (req.sampling_params.stop_token_ids or set())
+                            | (req.eos_token_ids or set())
                             | (req.tokenizer.additional_stop_token_ids or set())
-                            | {req.tokenizer.eos_token_id}
+                            | (
+                                {req.tokenizer.eos_token_id}
+                                if req.tokenizer.eos_token_id is not None
+                                else set()
+                            )
                         )
-                    ),
+                        if token_id is not None
+                    ],
                     dtype=torch.int64,
-                    device=self.orchestrator.device,
                 )
                 for req in self.orchestrator.reqs()
             ],
             batch_first=True,
             padding_value=self.orchestrator.vocab_size,
+        )
+        if pin_memory:
+            padded_stop_token_ids_cpu = padded_stop_token_ids_cpu.pin_memory()
+        padded_stop_token_ids = padded_stop_token_ids_cpu.to(
+            self.orchestrator.device, non_blocking=True
         )
         self.stop_token_penalties = torch.zeros(
             size=(len(self.orchestrator.reqs()), self.orchestrator.vocab_size + 1),
@@ -53,9 +71,7 @@ class BatchedMinNewTokensPenalizer(_BatchedPenalizer):
                 fill_value=float("-inf"),
                 device=self.orchestrator.device,
             ),
-        )[
-            :, : self.orchestrator.vocab_size
-        ]
+        )[:, : self.orchestrator.vocab_size]
 
         self.len_output_tokens = torch.zeros(
             size=(len(self.orchestrator.reqs()), 1),
@@ -67,8 +83,11 @@ class BatchedMinNewTokensPenalizer(_BatchedPenalizer):
         self.len_output_tokens += 1
 
     def _apply(self, logits: torch.Tensor):
-        mask = (self.len_output_tokens < self.min_new_tokens).expand_as(logits)
-        logits[mask] += self.stop_token_penalties[mask]
+        # Boolean-mask indexing (logits[mask]) is data-dependent and forces a
+        # device-to-host sync every decode step; torch.where is a plain
+        # elementwise select with no sync (and no -inf*0=nan).
+        mask = self.len_output_tokens < self.min_new_tokens
+        logits.add_(torch.where(mask, self.stop_token_penalties, 0.0))
 
     def _filter(self, keep_indices: torch.Tensor):
         self.min_new_tokens = self.min_new_tokens[keep_indices]

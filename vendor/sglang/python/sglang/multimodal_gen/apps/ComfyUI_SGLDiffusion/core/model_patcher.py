@@ -45,9 +45,21 @@ class SGLDModelPatcher(ModelPatcher):
 
         n.object_patches = self.object_patches.copy()
         n.model_options = copy.deepcopy(self.model_options)
+        n.parent = self
         n.backup = self.backup
         n.object_patches_backup = self.object_patches_backup
         n.lora_cache = copy.copy(self.lora_cache)
+        n.model_type = self.model_type
+        n.wrappers = {}
+        for wrapper_type, keyed in self.wrappers.items():
+            n.wrappers[wrapper_type] = {
+                key: wrappers.copy() for key, wrappers in keyed.items()
+            }
+        n.callbacks = {}
+        for call_type, keyed in self.callbacks.items():
+            n.callbacks[call_type] = {
+                key: callbacks.copy() for key, callbacks in keyed.items()
+            }
         return n
 
     def model_size(self):

@@ -1,17 +1,22 @@
-"""Test for ComfyUIZImagePipeline with pass-through scheduler."""
+"""Test for ZImagePipeline with pass-through scheduler."""
 
 import os
+import sys
 
 import pytest
 import torch
 
+from sglang.multimodal_gen.apps.ComfyUI_SGLDiffusion.test.passthrough import (
+    check_passthrough_output,
+    prepare_passthrough_request,
+)
 from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
 from sglang.multimodal_gen.runtime.entrypoints.diffusion_generator import DiffGenerator
 from sglang.multimodal_gen.runtime.entrypoints.utils import prepare_request
 
 
 def test_comfyui_zimage_pipeline_direct() -> None:
-    """Test ComfyUIZImagePipeline with custom inputs."""
+    """Test ZImagePipeline with custom inputs."""
     model_path = os.environ.get(
         "SGLANG_TEST_ZIMAGE_MODEL_PATH",
         "Tongyi-MAI/Z-Image-Turbo",  # Supports both safetensors file and diffusers format
@@ -19,7 +24,7 @@ def test_comfyui_zimage_pipeline_direct() -> None:
 
     generator = DiffGenerator.from_pretrained(
         model_path=model_path,
-        pipeline_class_name="ComfyUIZImagePipeline",
+        pipeline_class_name="ZImagePipeline",
         num_gpus=1,
         sp_degree=1,
         comfyui_mode=True,
@@ -76,46 +81,14 @@ def test_comfyui_zimage_pipeline_direct() -> None:
     req.latents = latents
     req.timesteps = timesteps
     req.prompt_embeds = [context]
+    req.prompt_seq_lens = [[context_seq_len]]
     req.negative_prompt_embeds = None
     req.raw_latent_shape = torch.tensor(latents.shape, dtype=torch.long)
 
-    if req.guidance_scale > 1.0 and req.negative_prompt_embeds is not None:
-        req.do_classifier_free_guidance = True
-    else:
-        req.do_classifier_free_guidance = False
+    prepare_passthrough_request(req)
 
-    if req.seed is not None:
-        generator_device = req.generator_device
-        device_str = "cpu" if generator_device == "cpu" else "cuda"
-        req.generator = [
-            torch.Generator(device_str).manual_seed(req.seed + i)
-            for i in range(req.num_outputs_per_prompt)
-        ]
-    else:
-        req.generator = [
-            torch.Generator("cuda") for _ in range(req.num_outputs_per_prompt)
-        ]
-
-    output_batch = generator._send_to_scheduler_and_wait_for_response([req])
-    noise_pred = output_batch.noise_pred
-
-    assert noise_pred is not None, "noise_pred should not be None in OutputBatch"
-    assert isinstance(noise_pred, torch.Tensor), "noise_pred should be a torch.Tensor"
-    assert (
-        noise_pred.device.type == "cuda"
-    ), f"noise_pred should be on cuda, got {noise_pred.device}"
-    assert (
-        noise_pred.dtype == torch.bfloat16
-    ), f"noise_pred should be bfloat16, got {noise_pred.dtype}"
-
-    print(f"✓ Successfully retrieved noise_pred from OutputBatch!")
-    print(f"  noise_pred shape: {noise_pred.shape}")
-    print(f"  noise_pred dtype: {noise_pred.dtype}")
-    print(f"  noise_pred device: {noise_pred.device}")
-
-    latents = output_batch.output if output_batch.output is not None else req.latents
-    assert latents is not None, "latents should not be None"
+    check_passthrough_output(generator, req)
 
 
 if __name__ == "__main__":
-    pytest.main([__file__, "-v"])
+    sys.exit(pytest.main([__file__, "-v"]))

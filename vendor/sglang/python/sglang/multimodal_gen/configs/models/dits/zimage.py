@@ -2,20 +2,9 @@
 
 # SPDX-License-Identifier: Apache-2.0
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Any, Tuple
 
 from sglang.multimodal_gen.configs.models.dits.base import DiTArchConfig, DiTConfig
-
-
-def is_zimage_layer(n: str, m) -> bool:
-    """Returns if the module should be sharded for Z-Image model."""
-    if "layers" in n and str.isdigit(n.split(".")[-1]):
-        return True
-    if ("noise_refiner" in n or "context_refiner" in n) and str.isdigit(
-        n.split(".")[-1]
-    ):
-        return True
-    return False
 
 
 @dataclass
@@ -37,8 +26,6 @@ class ZImageArchConfig(DiTArchConfig):
     axes_dims: Tuple[int, int, int] = (32, 48, 48)
     axes_lens: Tuple[int, int, int] = (1024, 512, 512)
 
-    _fsdp_shard_conditions: list = field(default_factory=lambda: [is_zimage_layer])
-
     stacked_params_mapping: list[tuple[str, str, str]] = field(
         default_factory=lambda: [
             # (param_name, shard_name, shard_id)
@@ -49,6 +36,39 @@ class ZImageArchConfig(DiTArchConfig):
 
     param_names_mapping: dict = field(
         default_factory=lambda: {
+            r"(.*)\.attention\.to_q\.weight$": (r"\1.attention.to_qkv.weight", 0, 3),
+            r"(.*)\.attention\.to_k\.weight$": (r"\1.attention.to_qkv.weight", 1, 3),
+            r"(.*)\.attention\.to_v\.weight$": (r"\1.attention.to_qkv.weight", 2, 3),
+            r"(.*)\.attention\.to_q\.weight_scale_inv$": (
+                r"\1.attention.to_qkv.weight_scale_inv",
+                0,
+                3,
+            ),
+            r"(.*)\.attention\.to_k\.weight_scale_inv$": (
+                r"\1.attention.to_qkv.weight_scale_inv",
+                1,
+                3,
+            ),
+            r"(.*)\.attention\.to_v\.weight_scale_inv$": (
+                r"\1.attention.to_qkv.weight_scale_inv",
+                2,
+                3,
+            ),
+            r"(.*)\.attention\.to_q\.(lora_A|lora_B)$": (
+                r"\1.attention.to_qkv.\2",
+                0,
+                3,
+            ),
+            r"(.*)\.attention\.to_k\.(lora_A|lora_B)$": (
+                r"\1.attention.to_qkv.\2",
+                1,
+                3,
+            ),
+            r"(.*)\.attention\.to_v\.(lora_A|lora_B)$": (
+                r"\1.attention.to_qkv.\2",
+                2,
+                3,
+            ),
             r"(.*)\.feed_forward\.w1\.weight$": (r"\1.feed_forward.w13.weight", 0, 2),
             r"(.*)\.feed_forward\.w3\.weight$": (r"\1.feed_forward.w13.weight", 1, 2),
             r"(.*)\.feed_forward\.w1\.(lora_A|lora_B)$": (
@@ -76,3 +96,10 @@ class ZImageDitConfig(DiTConfig):
     arch_config: ZImageArchConfig = field(default_factory=ZImageArchConfig)
 
     prefix: str = "zimage"
+
+    # One block serves both the caption tokens (tens) and the image and unified
+    # streams (thousands), with a dynamic token dim, so its GEMMs get autotuned
+    # for one branch and run for all three -- 1.4x slower when that goes wrong.
+    torch_compile_inductor_config: dict[str, Any] = field(
+        default_factory=lambda: {"multi_kernel_hints": [64, 4096]}
+    )

@@ -1,6 +1,7 @@
 # Copied and adapted from: https://github.com/hao-ai-lab/FastVideo
 
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/v0.7.3/vllm/distributed/device_communicators/base_device_communicator.py
 
 from typing import Any
@@ -9,6 +10,46 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup, ReduceOp
+
+from sglang.multimodal_gen.runtime.distributed.utils import (
+    all_gather_single,
+    reduce_scatter_single,
+)
+
+
+def _ipc_all_to_all_4d(group, input_, scatter_dim):
+    """2-rank IPC path for AllToAll4D; None when the transport is unavailable."""
+    from sglang.multimodal_gen.runtime.distributed.device_communicators.ipc_a2a import (
+        IPC_A2A,
+        ipc_a2a_ready,
+    )
+
+    if not ipc_a2a_ready(group):
+        return None
+    r = IPC_A2A.rank
+    if scatter_dim == 2:
+        # [bs, s_local, h, d] -> [bs, 2*s_local, h/2, d]
+        bs, shard_seqlen, hn, hd = input_.shape
+        half = hn // 2
+        send = input_[:, :, (1 - r) * half : (2 - r) * half].contiguous()
+        out = input_.new_empty(bs, 2 * shard_seqlen, half, hd)
+        out.narrow(1, r * shard_seqlen, shard_seqlen).copy_(
+            input_[:, :, r * half : (r + 1) * half]
+        )
+        theirs = IPC_A2A.exchange(group, send, (bs, shard_seqlen, half, hd))
+        out.narrow(1, (1 - r) * shard_seqlen, shard_seqlen).copy_(theirs)
+        return out
+    # scatter_dim == 1: [bs, s, h_local, d] -> [bs, s/2, 2*h_local, d]
+    bs, seqlen, shard_hn, hd = input_.shape
+    shard_seqlen = seqlen // 2
+    send = input_.narrow(1, (1 - r) * shard_seqlen, shard_seqlen).contiguous()
+    out = input_.new_empty(bs, shard_seqlen, 2 * shard_hn, hd)
+    out[:, :, r * shard_hn : (r + 1) * shard_hn].copy_(
+        input_.narrow(1, r * shard_seqlen, shard_seqlen)
+    )
+    theirs = IPC_A2A.exchange(group, send, (bs, shard_seqlen, shard_hn, hd))
+    out[:, :, (1 - r) * shard_hn : (2 - r) * shard_hn].copy_(theirs)
+    return out
 
 
 class DistributedAutograd:
@@ -67,7 +108,7 @@ class DistributedAutograd:
                 output_size, dtype=input_.dtype, device=input_.device
             )
 
-            dist.all_gather_into_tensor(output_tensor, input_, group=group)
+            all_gather_single(output_tensor, input_, group=group)
 
             output_tensor = output_tensor.reshape((world_size,) + input_size)
             output_tensor = output_tensor.movedim(0, dim)
@@ -93,9 +134,7 @@ class DistributedAutograd:
             grad_input = torch.empty(
                 ctx.input_shape, dtype=grad_output.dtype, device=grad_output.device
             )
-            dist.reduce_scatter_tensor(
-                grad_input, grad_chunks.contiguous(), group=ctx.group
-            )
+            reduce_scatter_single(grad_input, grad_chunks.contiguous(), group=ctx.group)
 
             return None, grad_input, None, None
 
@@ -127,12 +166,21 @@ class DistributedAutograd:
             if world_size == 1:
                 return input_
 
-            assert (
-                input_.dim() == 4
-            ), f"input must be 4D tensor, got {input_.dim()} and shape {input_.shape}"
+            assert input_.dim() == 4, (
+                f"input must be 4D tensor, got {input_.dim()} and shape {input_.shape}"
+            )
+
+            if world_size == 2 and scatter_dim in (1, 2):
+                fast = _ipc_all_to_all_4d(group, input_, scatter_dim)
+                if fast is not None:
+                    return fast
 
             if scatter_dim == 2 and gather_dim == 1:
                 bs, shard_seqlen, hn, hd = input_.shape
+                assert hn % world_size == 0, (
+                    f"head dimension ({hn}) must be divisible by sequence "
+                    f"parallel world size ({world_size})"
+                )
                 seqlen = shard_seqlen * world_size
                 shard_hn = hn // world_size
 
@@ -154,6 +202,10 @@ class DistributedAutograd:
                 return output
             elif scatter_dim == 1 and gather_dim == 2:
                 bs, seqlen, shard_hn, hd = input_.shape
+                assert seqlen % world_size == 0, (
+                    f"sequence dimension ({seqlen}) must be divisible by sequence "
+                    f"parallel world size ({world_size})"
+                )
                 hn = shard_hn * world_size
                 shard_seqlen = seqlen // world_size
 
@@ -218,7 +270,6 @@ class DeviceCommunicatorBase:
         self.world_size = dist.get_world_size(cpu_group)
         self.ranks = dist.get_process_group_ranks(cpu_group)
         self.global_rank = dist.get_rank()
-        self.global_world_size = dist.get_world_size()
         self.rank_in_group = dist.get_group_rank(self.cpu_group, self.global_rank)
 
     def all_reduce(
@@ -252,9 +303,9 @@ class DeviceCommunicatorBase:
         NOTE: `dst` is the local rank of the destination rank.
         """
         world_size = self.world_size
-        assert (
-            -input_.dim() <= dim < input_.dim()
-        ), f"Invalid dim ({dim}) for input tensor with shape {input_.size()}"
+        assert -input_.dim() <= dim < input_.dim(), (
+            f"Invalid dim ({dim}) for input tensor with shape {input_.size()}"
+        )
         if dim < 0:
             # Convert negative dim to positive.
             dim += input_.dim()

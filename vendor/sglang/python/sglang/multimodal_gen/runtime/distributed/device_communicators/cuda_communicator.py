@@ -1,6 +1,7 @@
 # Copied and adapted from: https://github.com/hao-ai-lab/FastVideo
 
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Adapted from https://github.com/vllm-project/vllm/blob/v0.7.3/vllm/distributed/device_communicators/cuda_communicator.py
 
 import torch
@@ -12,7 +13,6 @@ from sglang.multimodal_gen.runtime.distributed.device_communicators.base_device_
 
 
 class CudaCommunicator(DeviceCommunicatorBase):
-
     def __init__(
         self,
         cpu_group: ProcessGroup,

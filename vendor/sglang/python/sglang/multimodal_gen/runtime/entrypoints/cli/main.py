@@ -4,12 +4,20 @@
 # adapted from vllm: https://github.com/vllm-project/vllm/blob/v0.7.3/vllm/entrypoints/cli/main.py
 
 from sglang.multimodal_gen.runtime.entrypoints.cli.cli_types import CLISubcommand
-from sglang.multimodal_gen.runtime.entrypoints.cli.generate import GenerateSubcommand
-from sglang.multimodal_gen.runtime.entrypoints.cli.serve import ServeSubcommand
-from sglang.multimodal_gen.utils import FlexibleArgumentParser
+from sglang.multimodal_gen.runtime.platforms.plugins import apply_plugin_hooks
+from sglang.multimodal_gen.runtime.utils.argparse import FlexibleArgumentParser
 
 
 def generate_cmd_init() -> list[CLISubcommand]:
+    # Command modules import the runtime graph. Activate plugins first so OOT
+    # platforms can prepare that graph before its modules are evaluated.
+    apply_plugin_hooks()
+
+    from sglang.multimodal_gen.runtime.entrypoints.cli.generate import (
+        GenerateSubcommand,
+    )
+    from sglang.multimodal_gen.runtime.entrypoints.cli.serve import ServeSubcommand
+
     return [GenerateSubcommand(), ServeSubcommand()]
 
 
@@ -21,6 +29,8 @@ def cmd_init() -> list[CLISubcommand]:
 
 
 def main() -> None:
+    apply_plugin_hooks()
+
     parser = FlexibleArgumentParser(description="sglang-diffusion CLI")
     parser.add_argument("-v", "--version", action="version", version="0.1.0")
 
@@ -30,12 +40,12 @@ def main() -> None:
     for cmd in cmd_init():
         cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)
         cmds[cmd.name] = cmd
-    args = parser.parse_args()
+    args, unknown_args = parser.parse_known_args()
     if args.subparser in cmds:
         cmds[args.subparser].validate(args)
 
     if hasattr(args, "dispatch_function"):
-        args.dispatch_function(args)
+        args.dispatch_function(args, unknown_args=unknown_args)
     else:
         parser.print_help()
 

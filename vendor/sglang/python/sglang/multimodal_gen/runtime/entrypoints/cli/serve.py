@@ -8,12 +8,14 @@ from typing import cast
 
 from sglang.multimodal_gen.apps.webui import run_sgl_diffusion_webui
 from sglang.multimodal_gen.runtime.entrypoints.cli.cli_types import CLISubcommand
-from sglang.multimodal_gen.runtime.launch_server import launch_server
+from sglang.multimodal_gen.runtime.entrypoints.cli.utils import (
+    add_resolved_pipeline_config_cli_args,
+)
+from sglang.multimodal_gen.runtime.launch_server import (
+    dispatch_launch,
+)
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
-from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
-from sglang.multimodal_gen.utils import FlexibleArgumentParser
-
-logger = init_logger(__name__)
+from sglang.multimodal_gen.runtime.utils.argparse import FlexibleArgumentParser
 
 
 def add_multimodal_gen_serve_args(parser: argparse.ArgumentParser):
@@ -25,13 +27,21 @@ def add_multimodal_gen_serve_args(parser: argparse.ArgumentParser):
         required=False,
         help="Read CLI options from a config JSON or YAML file.",
     )
-    return ServerArgs.add_cli_args(parser)
+    parser = ServerArgs.add_cli_args(parser)
+    add_resolved_pipeline_config_cli_args(parser)
+    return parser
 
 
 def execute_serve_cmd(args: argparse.Namespace, unknown_args: list[str] | None = None):
     """The entry point for the serve command."""
-    server_args = ServerArgs.from_cli_args(args, unknown_args)
-    launch_server(server_args)
+    # serving defaults: server-based warmup, throughput-oriented encoders
+    server_args = ServerArgs.from_cli_args(
+        args,
+        unknown_args,
+        default_args={"warmup_mode": "server"},
+    )
+
+    dispatch_launch(server_args)
 
     if server_args.webui:
         run_sgl_diffusion_webui(server_args)
@@ -60,7 +70,7 @@ class ServeSubcommand(CLISubcommand):
         serve_parser = subparsers.add_parser(
             "serve",
             help="Launch the server and start FastAPI listener.",
-            usage="sgl_diffusion serve --model-path MODEL_PATH_OR_ID [OPTIONS]",
+            usage="sglang serve --model-path MODEL_PATH_OR_ID [OPTIONS]",
         )
 
         serve_parser = add_multimodal_gen_serve_args(serve_parser)

@@ -2,21 +2,23 @@ import time
 from typing import Any, List, Optional, Union
 
 from fastapi import APIRouter, Body, HTTPException
-from fastapi.responses import ORJSONResponse
 from pydantic import BaseModel, Field
 
-from sglang.multimodal_gen.registry import get_model_info
-from sglang.multimodal_gen.runtime.entrypoints.utils import (
+from sglang.multimodal_gen.registry import get_model_info, get_pipeline_class
+from sglang.multimodal_gen.runtime.entrypoints.control_requests import (
     ListLorasReq,
     MergeLoraWeightsReq,
     SetLoraReq,
     UnmergeLoraWeightsReq,
+)
+from sglang.multimodal_gen.runtime.entrypoints.utils import (
     format_lora_message,
 )
 from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import OutputBatch
 from sglang.multimodal_gen.runtime.scheduler_client import async_scheduler_client
-from sglang.multimodal_gen.runtime.server_args import get_global_server_args
+from sglang.multimodal_gen.runtime.server_args import ServerArgs, get_global_server_args
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+from sglang.srt.utils.json_response import orjson_response
 
 router = APIRouter(prefix="/v1")
 logger = init_logger(__name__)
@@ -39,10 +41,44 @@ class DiffusionModelCard(ModelCard):
 
     num_gpus: Optional[int] = None
     task_type: Optional[str] = None
+    supported_task_types: list[str] | None = None
     dit_precision: Optional[str] = None
     vae_precision: Optional[str] = None
     pipeline_name: Optional[str] = None
     pipeline_class: Optional[str] = None
+
+
+def get_served_pipeline_class(server_args: ServerArgs):
+    """Resolve discovery metadata using the same explicit pipeline as serving."""
+    if server_args.pipeline_class_name:
+        return get_pipeline_class(server_args.pipeline_class_name)
+    model_info = get_model_info(
+        server_args.model_path,
+        backend=server_args.backend,
+        model_id=server_args.model_id,
+    )
+    return model_info.pipeline_cls if model_info else None
+
+
+def _build_model_card(
+    server_args: ServerArgs, served_model_name: str
+) -> DiffusionModelCard:
+    pipeline_cls = get_served_pipeline_class(server_args)
+    card_kwargs: dict[str, Any] = {
+        "id": served_model_name,
+        "root": served_model_name,
+        "num_gpus": server_args.num_gpus,
+        "task_type": server_args.pipeline_config.task_type.name,
+        "supported_task_types": [
+            task.name for task in server_args.pipeline_config.get_supported_task_types()
+        ],
+        "dit_precision": server_args.pipeline_config.dit_precision,
+        "vae_precision": server_args.pipeline_config.vae_precision,
+    }
+    if pipeline_cls:
+        card_kwargs["pipeline_name"] = pipeline_cls.pipeline_name
+        card_kwargs["pipeline_class"] = pipeline_cls.__name__
+    return DiffusionModelCard(**card_kwargs)
 
 
 async def _handle_lora_request(req: Any, success_msg: str, failure_msg: str):
@@ -66,6 +102,8 @@ async def set_lora(
     lora_path: Optional[Union[str, List[Optional[str]]]] = Body(None, embed=True),
     target: Union[str, List[str]] = Body("all", embed=True),
     strength: Union[float, List[float]] = Body(1.0, embed=True),
+    merge_mode: Optional[str] = Body(None, embed=True),
+    lora_alpha: Optional[Union[int, List[Optional[int]]]] = Body(None, embed=True),
 ):
     """
     Set LoRA adapter(s) for the specified transformer(s).
@@ -84,12 +122,16 @@ async def set_lora(
         strength: LoRA strength(s) for merge, default 1.0. Can be a float or a list of floats.
             If a list, must match the length of lora_nickname. Values < 1.0 reduce the effect,
             values > 1.0 amplify the effect.
+        merge_mode: Optional LoRA merge mode: "auto", "merge", or "dynamic".
+        lora_alpha: Training alpha override for adapters that omit it from metadata.
     """
     req = SetLoraReq(
         lora_nickname=lora_nickname,
         lora_path=lora_path,
         target=target,
         strength=strength,
+        merge_mode=merge_mode,
+        lora_alpha=lora_alpha,
     )
     nickname_str, target_str, strength_str = format_lora_message(
         lora_nickname, target, strength
@@ -173,46 +215,29 @@ async def list_loras():
         raise HTTPException(status_code=500, detail=str(e))
 
 
-@router.get("/models", response_class=ORJSONResponse)
+@router.get("/models")
 async def available_models():
     """Show available models. OpenAI-compatible endpoint with extended diffusion info."""
     server_args = get_global_server_args()
     if not server_args:
         raise HTTPException(status_code=500, detail="Server args not initialized")
 
-    model_info = get_model_info(server_args.model_path, backend=server_args.backend)
-
-    card_kwargs = {
-        "id": server_args.model_path,
-        "root": server_args.model_path,
-        # Extended diffusion-specific fields
-        "num_gpus": server_args.num_gpus,
-        "task_type": server_args.pipeline_config.task_type.name,
-        "dit_precision": server_args.pipeline_config.dit_precision,
-        "vae_precision": server_args.pipeline_config.vae_precision,
-    }
-
-    if model_info:
-        card_kwargs["pipeline_name"] = model_info.pipeline_cls.pipeline_name
-        card_kwargs["pipeline_class"] = model_info.pipeline_cls.__name__
-
-    model_card = DiffusionModelCard(**card_kwargs)
+    model_card = _build_model_card(server_args, server_args.served_model_name)
 
     # Return dict directly to preserve extended fields (ModelList strips them)
     return {"object": "list", "data": [model_card.model_dump()]}
 
 
-@router.get("/models/{model:path}", response_class=ORJSONResponse)
+@router.get("/models/{model:path}")
 async def retrieve_model(model: str):
     """Retrieve a model instance. OpenAI-compatible endpoint with extended diffusion info."""
     server_args = get_global_server_args()
     if not server_args:
         raise HTTPException(status_code=500, detail="Server args not initialized")
 
-    if model != server_args.model_path:
-        return ORJSONResponse(
-            status_code=404,
-            content={
+    if model != server_args.served_model_name:
+        return orjson_response(
+            {
                 "error": {
                     "message": f"The model '{model}' does not exist",
                     "type": "invalid_request_error",
@@ -220,22 +245,8 @@ async def retrieve_model(model: str):
                     "code": "model_not_found",
                 }
             },
+            status_code=404,
         )
 
-    model_info = get_model_info(server_args.model_path, backend=server_args.backend)
-
-    card_kwargs = {
-        "id": model,
-        "root": model,
-        "num_gpus": server_args.num_gpus,
-        "task_type": server_args.pipeline_config.task_type.name,
-        "dit_precision": server_args.pipeline_config.dit_precision,
-        "vae_precision": server_args.pipeline_config.vae_precision,
-    }
-
-    if model_info:
-        card_kwargs["pipeline_name"] = model_info.pipeline_cls.pipeline_name
-        card_kwargs["pipeline_class"] = model_info.pipeline_cls.__name__
-
     # Return dict to preserve extended fields
-    return DiffusionModelCard(**card_kwargs).model_dump()
+    return _build_model_card(server_args, server_args.served_model_name).model_dump()

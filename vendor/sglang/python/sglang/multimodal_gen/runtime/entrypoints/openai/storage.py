@@ -1,5 +1,6 @@
 import asyncio
 import os
+from contextlib import suppress
 from typing import Optional
 
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
@@ -56,6 +57,8 @@ class CloudStorage:
                 ".jpeg": "image/jpeg",
                 ".webp": "image/webp",
                 ".mp4": "video/mp4",
+                ".glb": "model/gltf-binary",
+                ".obj": "text/plain",
             }.get(ext, "application/octet-stream")
 
             # Use the client created once in __init__
@@ -67,8 +70,16 @@ class CloudStorage:
             )
 
         try:
-            # Offload the blocking I/O call to a thread executor
-            await asyncio.get_running_loop().run_in_executor(None, _sync_upload)
+            upload = asyncio.get_running_loop().run_in_executor(None, _sync_upload)
+            await asyncio.shield(upload)
+        except asyncio.CancelledError:
+            # the SDK may still read local files; finish before caller cleanup
+            while not upload.done():
+                with suppress(asyncio.CancelledError, Exception):
+                    await asyncio.shield(upload)
+            if not upload.cancelled():
+                upload.exception()
+            raise
         except Exception as e:
             # If upload fails, log the error and return None for fallback
             logger.error(f"Upload failed for {destination_key}: {e}")

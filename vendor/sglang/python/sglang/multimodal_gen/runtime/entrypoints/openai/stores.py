@@ -1,5 +1,5 @@
 import asyncio
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 
 class AsyncDictStore:
@@ -36,12 +36,41 @@ class AsyncDictStore:
         async with self._lock:
             return self._items.pop(key, None)
 
-    async def list_values(self) -> List[Dict[str, Any]]:
+    async def list_page(
+        self,
+        *,
+        after: Optional[str] = None,
+        limit: int = 20,
+        order: Optional[str] = "desc",
+    ) -> Dict[str, Any]:
+        """Return a created-time ordered page, with OpenAI-style cursor semantics."""
+        normalized_order = (order or "desc").lower()
+        reverse = normalized_order != "asc"
         async with self._lock:
-            return list(self._items.values())
+            items = sorted(
+                self._items.values(),
+                key=lambda item: item.get("created_at", 0),
+                reverse=reverse,
+            )
+
+        if after is not None:
+            try:
+                index = next(i for i, item in enumerate(items) if item["id"] == after)
+                items = items[index + 1 :]
+            except StopIteration:
+                items = []
+
+        page = items[:limit]
+        return {
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
 
 # Global stores shared by OpenAI entrypoints
 # [request_id, dict]
 VIDEO_STORE = AsyncDictStore()
 IMAGE_STORE = AsyncDictStore()
+MESH_STORE = AsyncDictStore()

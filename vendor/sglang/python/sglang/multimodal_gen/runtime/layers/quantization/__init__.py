@@ -6,49 +6,67 @@ from sglang.multimodal_gen.runtime.layers.quantization.configs.base_config impor
     QuantizationConfig,
 )
 
-QuantizationMethods = Literal[None]
+QuantizationMethods = Literal[
+    "auto-round",
+    "fp8",
+    "modelopt",
+    "modelopt_fp8",
+    "modelopt_fp4",
+    "bitsandbytes",
+    "modelslim",
+    "mxfp8",
+    "mxfp4",
+    "mxfp4_npu",
+    "convrot_int8",
+]
 
 QUANTIZATION_METHODS: list[str] = list(get_args(QuantizationMethods))
-
-# The customized quantization methods which will be added to this dict.
-_CUSTOMIZED_METHOD_TO_QUANT_CONFIG = {}
-
-
-def register_quantization_config(quantization: str):
-    """Register a customized vllm quantization config.
-
-    When a quantization method is not supported by vllm, you can register a customized
-    quantization config to support it.
-
-    Args:
-        quantization (str): The quantization method name.
-
-
-    """  # noqa: E501
-
-    def _wrapper(quant_config_cls):
-        if quantization in QUANTIZATION_METHODS:
-            raise ValueError(
-                f"The quantization method `{quantization}` is already exists."
-            )
-        if not issubclass(quant_config_cls, QuantizationConfig):
-            raise ValueError(
-                "The quantization config must be a subclass of " "`QuantizationConfig`."
-            )
-        _CUSTOMIZED_METHOD_TO_QUANT_CONFIG[quantization] = quant_config_cls
-        QUANTIZATION_METHODS.append(quantization)
-        return quant_config_cls
-
-    return _wrapper
 
 
 def get_quantization_config(quantization: str) -> type[QuantizationConfig]:
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"Invalid quantization method: {quantization}")
 
-    method_to_config: dict[str, type[QuantizationConfig]] = {}
-    # Update the `method_to_config` with customized quantization methods.
-    method_to_config.update(_CUSTOMIZED_METHOD_TO_QUANT_CONFIG)
+    # Quantized linear methods import LinearBase; load them after module initialization.
+    from sglang.multimodal_gen.runtime.layers.quantization.auto_round import (
+        AutoRoundConfig,
+    )
+    from sglang.multimodal_gen.runtime.layers.quantization.bitsandbytes import (
+        BitsAndBytesConfig,
+    )
+    from sglang.multimodal_gen.runtime.layers.quantization.configs.convrot_int8_config import (
+        ConvRotInt8Config,
+    )
+    from sglang.multimodal_gen.runtime.layers.quantization.fp8 import Fp8Config
+    from sglang.multimodal_gen.runtime.layers.quantization.modelopt_fp8 import (
+        ModelOptFp8Config as ModelOptFp8DiffusionConfig,
+    )
+    from sglang.multimodal_gen.runtime.layers.quantization.modelopt_quant import (
+        ModelOptFp4Config,
+        ModelOptFp8Config,
+    )
+    from sglang.multimodal_gen.runtime.layers.quantization.modelslim import (
+        ModelSlimConfig,
+    )
+    from sglang.multimodal_gen.runtime.layers.quantization.mxfp4 import Mxfp4Config
+    from sglang.multimodal_gen.runtime.layers.quantization.mxfp4_npu import (
+        NPUMXFP4Config,
+    )
+    from sglang.multimodal_gen.runtime.layers.quantization.mxfp8 import MXFP8Config
+
+    method_to_config: dict[str, type[QuantizationConfig]] = {
+        "auto-round": AutoRoundConfig,
+        "modelopt": ModelOptFp8DiffusionConfig,
+        "modelopt_fp8": ModelOptFp8Config,
+        "modelopt_fp4": ModelOptFp4Config,
+        "bitsandbytes": BitsAndBytesConfig,
+        "modelslim": ModelSlimConfig,
+        "fp8": Fp8Config,
+        "mxfp4": Mxfp4Config,
+        "mxfp8": MXFP8Config,
+        "mxfp4_npu": NPUMXFP4Config,
+        "convrot_int8": ConvRotInt8Config,
+    }
 
     return method_to_config[quantization]
 

@@ -17,34 +17,129 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from diffusers.models.attention import FeedForward
 
+from sglang.kernels.ops.diffusion import (
+    FUSED_LINEAR_GELU,
+    BitExactFusionGate,
+    can_use_fused_qk_head_layernorm,
+    can_use_linear_gelu,
+    fused_linear_gelu_tanh,
+    fused_qk_head_layernorm,
+    is_plain_layer_norm,
+    residual_gate_add,
+    tensors_equal,
+)
 from sglang.multimodal_gen.configs.models.dits.glmimage import GlmImageDitConfig
 from sglang.multimodal_gen.runtime.distributed.parallel_state import (
     get_sp_parallel_rank,
     get_sp_world_size,
+    get_tp_world_size,
 )
 from sglang.multimodal_gen.runtime.layers.attention import USPAttention
 from sglang.multimodal_gen.runtime.layers.layernorm import (
     ScaleResidualLayerNormScaleShift,
 )
-from sglang.multimodal_gen.runtime.layers.linear import ReplicatedLinear
+from sglang.multimodal_gen.runtime.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.multimodal_gen.runtime.layers.mlp import FeedForward
+from sglang.multimodal_gen.runtime.layers.quantization.configs.base_config import (
+    QuantizationConfig,
+)
 from sglang.multimodal_gen.runtime.layers.rotary_embedding import (
-    _apply_rotary_emb,
-    apply_flashinfer_rope_qk_inplace,
+    RotaryEmbedding,
 )
 from sglang.multimodal_gen.runtime.layers.visual_embedding import Timesteps
+from sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload import (
+    LayerwiseOffloadableModuleMixin,
+)
 from sglang.multimodal_gen.runtime.models.dits.base import CachableDiT
+from sglang.multimodal_gen.runtime.models.dits.common import (
+    layernorm_modulate_bitexact,
+)
 from sglang.multimodal_gen.runtime.platforms import (
     AttentionBackendEnum,
     current_platform,
 )
-from sglang.multimodal_gen.runtime.utils.layerwise_offload import OffloadableDiTMixin
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (
+    is_in_breakable_cuda_graph,
+)
 
 logger = init_logger(__name__)
 
 _is_cuda = current_platform.is_cuda()
+
+_GLM_LN_MOD = BitExactFusionGate("GLM fused LN+modulate")
+_GLM_QK_LN = BitExactFusionGate("GLM fused qk-LayerNorm")
+
+
+def _eager_ln_modulate(
+    norm: nn.LayerNorm,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return norm(x).to(dtype=dtype) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def _glm_ln_modulate(
+    norm: nn.LayerNorm,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Single-kernel ``LN(x) * (1 + scale) + shift``, bit-exact vs eager.
+
+    Bit-exactness depends on which LayerNorm kernel aten dispatches to, so
+    the first call verifies ``torch.equal`` against the eager chain and
+    disables the fast path permanently on any mismatch.
+    """
+    if _is_cuda and dtype is x.dtype:
+        return layernorm_modulate_bitexact(
+            _GLM_LN_MOD,
+            norm,
+            x,
+            scale,
+            shift,
+            lambda: _eager_ln_modulate(norm, x, scale, shift, dtype),
+        )
+    return _eager_ln_modulate(norm, x, scale, shift, dtype)
+
+
+def _glm_qk_layernorm(
+    norm_q: nn.LayerNorm,
+    norm_k: nn.LayerNorm,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    dtype: torch.dtype,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-head LayerNorm over q and k in one launch, bit-exact vs eager.
+
+    First call verifies ``torch.equal`` against the eager pair and falls
+    back permanently on any mismatch.
+    """
+    if (
+        _is_cuda
+        and query.is_cuda
+        and dtype is query.dtype
+        and dtype is key.dtype
+        and is_plain_layer_norm(norm_q, query.shape[-1])
+        and is_plain_layer_norm(norm_k, key.shape[-1])
+        and norm_q.eps == norm_k.eps
+        and can_use_fused_qk_head_layernorm(query.dtype, query.shape[-1])
+    ):
+        return _GLM_QK_LN.run(
+            lambda: fused_qk_head_layernorm(query, key, norm_q.eps),
+            lambda: (norm_q(query).to(dtype=dtype), norm_k(key).to(dtype=dtype)),
+            equal=tensors_equal,
+            logger=logger,
+        )
+    return norm_q(query).to(dtype=dtype), norm_k(key).to(dtype=dtype)
 
 
 class GlmImageLayerKVCache:
@@ -60,8 +155,8 @@ class GlmImageLayerKVCache:
             self.k_cache = k
             self.v_cache = v
         else:
-            self.k_cache = torch.cat([self.k_cache, k], dim=2)
-            self.v_cache = torch.cat([self.v_cache, v], dim=2)
+            self.k_cache = torch.cat([self.k_cache, k], dim=1)
+            self.v_cache = torch.cat([self.v_cache, v], dim=1)
 
     def get(self):
         return self.k_cache, self.v_cache
@@ -191,10 +286,10 @@ class GlmImageCombinedTimestepSizeEmbeddings(nn.Module):
     ) -> torch.Tensor:
         timesteps_proj = self.time_proj(timestep)
 
-        crop_coords_proj = self.condition_proj(crop_coords.flatten()).view(
+        crop_coords_proj = self.condition_proj(crop_coords.flatten()).reshape(
             crop_coords.size(0), -1
         )
-        target_size_proj = self.condition_proj(target_size.flatten()).view(
+        target_size_proj = self.condition_proj(target_size.flatten()).reshape(
             target_size.size(0), -1
         )
 
@@ -260,10 +355,6 @@ class GlmImageAdaLayerNormZero(nn.Module):
         temb: torch.Tensor,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         dtype = hidden_states.dtype
-        norm_hidden_states = self.norm(hidden_states).to(dtype=dtype)
-        norm_encoder_hidden_states = self.norm_context(encoder_hidden_states).to(
-            dtype=dtype
-        )
 
         emb, _ = self.linear(temb)
         (
@@ -281,12 +372,12 @@ class GlmImageAdaLayerNormZero(nn.Module):
             c_gate_mlp,
         ) = emb.chunk(12, dim=1)
 
-        hidden_states = norm_hidden_states * (
-            1 + scale_msa.unsqueeze(1)
-        ) + shift_msa.unsqueeze(1)
-        encoder_hidden_states = norm_encoder_hidden_states * (
-            1 + c_scale_msa.unsqueeze(1)
-        ) + c_shift_msa.unsqueeze(1)
+        hidden_states = _glm_ln_modulate(
+            self.norm, hidden_states, scale_msa, shift_msa, dtype
+        )
+        encoder_hidden_states = _glm_ln_modulate(
+            self.norm_context, encoder_hidden_states, c_scale_msa, c_shift_msa, dtype
+        )
 
         return (
             hidden_states,
@@ -302,6 +393,83 @@ class GlmImageAdaLayerNormZero(nn.Module):
         )
 
 
+class GlmImageGELU(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        inner_dim: int,
+        bias: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.proj = ColumnParallelLinear(
+            dim,
+            inner_dim,
+            bias=bias,
+            gather_output=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.proj" if prefix else "proj",
+        )
+        # lossless/high fusion site: up-proj GEMM + tanh-GELU in cublasLt
+        # epilogue. Off by default; mounted per batch by the denoising stage.
+        FUSED_LINEAR_GELU.mark(self, "proj")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if FUSED_LINEAR_GELU.is_enabled(self) and can_use_linear_gelu(
+            self.proj, hidden_states
+        ):
+            return fused_linear_gelu_tanh(
+                hidden_states, self.proj.weight, self.proj.bias
+            )
+        hidden_states, _ = self.proj(hidden_states)
+        return F.gelu(hidden_states, approximate="tanh")
+
+
+class GlmImageFeedForward(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        dim_out: Optional[int] = None,
+        mult: int = 4,
+        inner_dim: Optional[int] = None,
+        bias: bool = True,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        if inner_dim is None:
+            inner_dim = int(dim * mult)
+        dim_out = dim_out if dim_out is not None else dim
+
+        self.net = nn.ModuleList(
+            [
+                GlmImageGELU(
+                    dim,
+                    inner_dim,
+                    bias=bias,
+                    quant_config=quant_config,
+                    prefix=f"{prefix}.net.0" if prefix else "net.0",
+                ),
+                nn.Dropout(0.0),
+                RowParallelLinear(
+                    inner_dim,
+                    dim_out,
+                    bias=bias,
+                    input_is_parallel=True,
+                    quant_config=quant_config,
+                    prefix=f"{prefix}.net.2" if prefix else "net.2",
+                ),
+            ]
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.net[0](hidden_states)
+        hidden_states = self.net[1](hidden_states)
+        hidden_states, _ = self.net[2](hidden_states)
+        return hidden_states
+
+
 class GlmImageAttention(torch.nn.Module):
     def __init__(
         self,
@@ -315,6 +483,7 @@ class GlmImageAttention(torch.nn.Module):
         eps,
         supported_attention_backends: set[AttentionBackendEnum] | None = None,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ):
         super().__init__()
 
@@ -327,15 +496,50 @@ class GlmImageAttention(torch.nn.Module):
         self.inner_kv_dim = self.inner_dim
         self.out_dim = out_dim if out_dim is not None else query_dim
 
-        self.num_kv_heads = self.dim_head // self.inner_kv_dim
+        tp_size = get_tp_world_size()
+        assert self.heads % tp_size == 0, (
+            f"heads ({self.heads}) must be divisible by tp_size ({tp_size})"
+        )
+        self.num_local_heads = self.heads // tp_size
+        self.num_local_kv_heads = self.num_local_heads
 
-        self.to_q = ReplicatedLinear(query_dim, self.inner_dim, bias=bias)
-        self.to_k = ReplicatedLinear(query_dim, self.inner_kv_dim, bias=bias)
-        self.to_v = ReplicatedLinear(query_dim, self.inner_kv_dim, bias=bias)
+        self.to_q = ColumnParallelLinear(
+            query_dim,
+            self.inner_dim,
+            bias=bias,
+            gather_output=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.to_q" if prefix else "to_q",
+        )
+        self.to_k = ColumnParallelLinear(
+            query_dim,
+            self.inner_kv_dim,
+            bias=bias,
+            gather_output=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.to_k" if prefix else "to_k",
+        )
+        self.to_v = ColumnParallelLinear(
+            query_dim,
+            self.inner_kv_dim,
+            bias=bias,
+            gather_output=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.to_v" if prefix else "to_v",
+        )
 
         # (dropout omitted)
         self.to_out = nn.ModuleList(
-            [ReplicatedLinear(self.inner_dim, self.out_dim, bias=True)]
+            [
+                RowParallelLinear(
+                    self.inner_dim,
+                    self.out_dim,
+                    bias=True,
+                    input_is_parallel=True,
+                    quant_config=quant_config,
+                    prefix=f"{prefix}.to_out.0" if prefix else "to_out.0",
+                )
+            ]
         )
 
         if qk_norm is None:
@@ -352,11 +556,17 @@ class GlmImageAttention(torch.nn.Module):
             raise ValueError(
                 f"unknown qk_norm: {qk_norm}. Should be one of None, 'layer_norm', 'fp32_layer_norm', 'layer_norm_across_heads', 'rms_norm', 'rms_norm_across_heads', 'l2'."
             )
+        self.rotary_emb = RotaryEmbedding(
+            head_size=dim_head,
+            rotary_dim=dim_head,
+            use_precomputed_cache=False,
+            is_neox_style=True,
+        )
 
         self.attn = USPAttention(
-            num_heads=self.heads,
+            num_heads=self.num_local_heads,
             head_size=dim_head,
-            num_kv_heads=self.num_kv_heads,
+            num_kv_heads=self.num_local_kv_heads,
             dropout_rate=0,
             softmax_scale=None,
             causal=False,
@@ -381,41 +591,37 @@ class GlmImageAttention(torch.nn.Module):
         key, _ = self.to_k(hidden_states)
         value, _ = self.to_v(hidden_states)
 
-        query = query.unflatten(2, (self.heads, -1))
-        key = key.unflatten(2, (self.heads, -1))
-        value = value.unflatten(2, (self.heads, -1))
+        query = query.unflatten(2, (self.num_local_heads, -1))
+        key = key.unflatten(2, (self.num_local_kv_heads, -1))
+        value = value.unflatten(2, (self.num_local_kv_heads, -1))
 
         # 2. QK normalization
-        if self.norm_q is not None:
-            query = self.norm_q(query).to(dtype=dtype)
-        if self.norm_k is not None:
-            key = self.norm_k(key).to(dtype=dtype)
+        if self.norm_q is not None and self.norm_k is not None:
+            query, key = _glm_qk_layernorm(self.norm_q, self.norm_k, query, key, dtype)
+        else:
+            if self.norm_q is not None:
+                query = self.norm_q(query).to(dtype=dtype)
+            if self.norm_k is not None:
+                key = self.norm_k(key).to(dtype=dtype)
 
         # 3. Rotational positional embeddings applied to latent stream
         if image_rotary_emb is not None:
             cos, sin = image_rotary_emb
+            q_img = query[:, text_seq_length:, :, :]
+            k_img = key[:, text_seq_length:, :, :]
 
-            if _is_cuda and cos.dim() == 2:
-                q_img = query[:, text_seq_length:, :, :]
-                k_img = key[:, text_seq_length:, :, :]
-                cos_sin_cache = torch.cat(
-                    [
-                        cos.to(dtype=torch.float32).contiguous(),
-                        sin.to(dtype=torch.float32).contiguous(),
-                    ],
-                    dim=-1,
-                )
-                # apply_flashinfer_rope_qk_inplace is inplace kernel and q_img/k_img are views of query/key, so we need not copy back
-                q_out, k_out = apply_flashinfer_rope_qk_inplace(
-                    q_img, k_img, cos_sin_cache, is_neox=True
-                )
-            else:
-                query[:, text_seq_length:, :, :] = _apply_rotary_emb(
-                    query[:, text_seq_length:, :, :], cos, sin, is_neox_style=True
-                )
-                key[:, text_seq_length:, :, :] = _apply_rotary_emb(
-                    key[:, text_seq_length:, :, :], cos, sin, is_neox_style=True
-                )
+            q_rot, k_rot = self.rotary_emb(
+                query=q_img,
+                key=k_img,
+                cos=cos,
+                sin=sin,
+            )
+            # The CUDA RoPE rotates contiguous views in place and returns them;
+            # torch >= 2.14 rejects copying a tensor onto its own memory.
+            if q_rot.data_ptr() != q_img.data_ptr():
+                q_img.copy_(q_rot)
+            if k_rot.data_ptr() != k_img.data_ptr():
+                k_img.copy_(k_rot)
 
         if kv_cache is not None:
             if kv_cache.mode == "write":
@@ -432,18 +638,12 @@ class GlmImageAttention(torch.nn.Module):
         # 4. Attention
         if attention_mask is not None:
             text_attn_mask = attention_mask
-            assert (
-                text_attn_mask.dim() == 2
-            ), "the shape of text_attn_mask should be (batch_size, text_seq_length)"
-            text_attn_mask = text_attn_mask.float().to(query.device)
-            mix_attn_mask = torch.ones(
-                (batch_size, text_seq_length + image_seq_length), device=query.device
+            assert text_attn_mask.dim() == 2, (
+                "the shape of text_attn_mask should be (batch_size, text_seq_length)"
             )
-            mix_attn_mask[:, :text_seq_length] = text_attn_mask
-            mix_attn_mask = mix_attn_mask.unsqueeze(2)
-            attn_mask_matrix = mix_attn_mask @ mix_attn_mask.transpose(1, 2)
-            attention_mask = (attn_mask_matrix > 0).unsqueeze(1).to(query.dtype)
-        hidden_states = self.attn(query, key, value)
+        hidden_states = self.attn(
+            query, key, value, num_replicated_prefix=text_seq_length
+        )
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 
@@ -466,6 +666,7 @@ class GlmImageTransformerBlock(nn.Module):
         time_embed_dim: int = 512,
         supported_attention_backends: set[AttentionBackendEnum] | None = None,
         prefix: str = "",
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
 
@@ -483,6 +684,7 @@ class GlmImageTransformerBlock(nn.Module):
             eps=1e-5,
             supported_attention_backends=supported_attention_backends,
             prefix=f"{prefix}.attn1",
+            quant_config=quant_config,
         )
 
         # 2. Feedforward
@@ -492,7 +694,12 @@ class GlmImageTransformerBlock(nn.Module):
         self.norm2_context = ScaleResidualLayerNormScaleShift(
             dim, eps=1e-5, elementwise_affine=False
         )
-        self.ff = FeedForward(dim=dim, dim_out=dim, activation_fn="gelu-approximate")
+        self.ff = GlmImageFeedForward(
+            dim=dim,
+            dim_out=dim,
+            quant_config=quant_config,
+            prefix=f"{prefix}.ff" if prefix else "ff",
+        )
 
     def forward(
         self,
@@ -554,9 +761,11 @@ class GlmImageTransformerBlock(nn.Module):
 
         ff_output = self.ff(norm_hidden_states)
         ff_output_context = self.ff(norm_encoder_hidden_states)
-        hidden_states = hidden_states + ff_output * gate_mlp.unsqueeze(1)
-        encoder_hidden_states = (
-            encoder_hidden_states + ff_output_context * c_gate_mlp.unsqueeze(1)
+        hidden_states = residual_gate_add(
+            hidden_states, ff_output, gate_mlp.unsqueeze(1)
+        )
+        encoder_hidden_states = residual_gate_add(
+            encoder_hidden_states, ff_output_context, c_gate_mlp.unsqueeze(1)
         )
 
         return hidden_states, encoder_hidden_states
@@ -647,11 +856,13 @@ class GlmImageAdaLayerNormContinuous(nn.Module):
         # *** NO SiLU here ***
         emb = self.linear(conditioning_embedding.to(x.dtype))
         scale, shift = torch.chunk(emb, 2, dim=1)
+        if is_plain_layer_norm(self.norm, x.shape[-1]):
+            return _glm_ln_modulate(self.norm, x, scale, shift, x.dtype)
         x = self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
         return x
 
 
-class GlmImageTransformer2DModel(CachableDiT, OffloadableDiTMixin):
+class GlmImageTransformer2DModel(CachableDiT, LayerwiseOffloadableModuleMixin):
     r"""
     Args:
         patch_size (`int`, defaults to `2`):
@@ -687,11 +898,11 @@ class GlmImageTransformer2DModel(CachableDiT, OffloadableDiTMixin):
         self,
         config: GlmImageDitConfig,
         hf_config: dict[str, Any],
+        quant_config: QuantizationConfig | None = None,
     ):
         super().__init__(config=config, hf_config=hf_config)
 
-        self.config_data = config  # Store config
-        arch_config = config.arch_config
+        arch_config = self.config
 
         self.in_channels = arch_config.in_channels
         self.out_channels = arch_config.out_channels
@@ -737,7 +948,6 @@ class GlmImageTransformer2DModel(CachableDiT, OffloadableDiTMixin):
         )
 
         # 3. Transformer blocks
-        self._supported_attention_backends = arch_config._supported_attention_backends
         self.transformer_blocks = nn.ModuleList(
             [
                 GlmImageTransformerBlock(
@@ -747,6 +957,7 @@ class GlmImageTransformer2DModel(CachableDiT, OffloadableDiTMixin):
                     arch_config.time_embed_dim,
                     supported_attention_backends=self._supported_attention_backends,
                     prefix=f"transformer_blocks.{i}",
+                    quant_config=quant_config,
                 )
                 for i in range(arch_config.num_layers)
             ]
@@ -784,17 +995,56 @@ class GlmImageTransformer2DModel(CachableDiT, OffloadableDiTMixin):
             ]
         ] = None,
         ###
-        guidance: torch.Tensor = None,  # TODO: this should probably be removed
+        guidance: torch.Tensor = None,
     ) -> Tuple[torch.Tensor]:
         if kv_caches is not None:
             kv_caches.set_mode(kv_caches_mode)
 
         batch_size, num_channels, height, width = hidden_states.shape
 
-        timestep -= 1.0
-
         if isinstance(encoder_hidden_states, list):
             encoder_hidden_states = encoder_hidden_states[0]
+
+        if current_platform.is_npu() and batch_size > 1 and kv_caches is None:
+
+            def slice_batch(value, index):
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and value.shape[0] == batch_size
+                ):
+                    return value[index : index + 1]
+                return value
+
+            outputs = []
+            for index in range(batch_size):
+                sample_encoder_hidden_states = encoder_hidden_states[index : index + 1]
+                sample_attention_mask = slice_batch(attention_mask, index)
+                if isinstance(sample_attention_mask, torch.Tensor):
+                    valid_text_length = int(sample_attention_mask.sum().item())
+                    sample_encoder_hidden_states = sample_encoder_hidden_states[
+                        :, :valid_text_length
+                    ]
+                    sample_attention_mask = None
+
+                outputs.append(
+                    self.forward(
+                        hidden_states=hidden_states[index : index + 1],
+                        encoder_hidden_states=sample_encoder_hidden_states,
+                        prior_token_id=prior_token_id[index : index + 1],
+                        prior_token_drop=prior_token_drop[index : index + 1],
+                        timestep=slice_batch(timestep, index),
+                        target_size=slice_batch(target_size, index),
+                        crop_coords=slice_batch(crop_coords, index),
+                        attention_kwargs=attention_kwargs,
+                        attention_mask=sample_attention_mask,
+                        freqs_cis=freqs_cis,
+                        guidance=slice_batch(guidance, index),
+                    )
+                )
+            return torch.cat(outputs, dim=0)
+
+        timestep = timestep - 1.0
 
         # 1. RoPE
         image_rotary_emb = freqs_cis
@@ -807,8 +1057,18 @@ class GlmImageTransformer2DModel(CachableDiT, OffloadableDiTMixin):
 
         hidden_states = self.image_projector(hidden_states)
         encoder_hidden_states = self.glyph_projector(encoder_hidden_states)
+
         prior_embedding = self.prior_token_embedding(prior_token_id)
-        prior_embedding[prior_token_drop] *= 0.0
+        if is_in_breakable_cuda_graph():
+            prior_embedding = prior_embedding.masked_fill(
+                prior_token_drop.unsqueeze(-1), 0
+            )
+        else:
+            # select, not a boolean-mask write: its nonzero syncs the host
+            prior_embedding = torch.where(
+                prior_token_drop.unsqueeze(-1), prior_embedding * 0.0, prior_embedding
+            )
+
         prior_hidden_states = self.prior_projector(prior_embedding)
         # SP: when latents are H-sharded, hidden_states has fewer patches than prior_hidden_states.
         # Shard prior_hidden_states along seq dim to match (prior is row-major, same as latent patches).

@@ -1,8 +1,8 @@
 # Copied and adapted from: mossVG/mova/diffusion/models/wan_audio_dit.py
 # SPDX-License-Identifier: Apache-2.0
 #
-# NOTE: This module reuses common functions from mova_video_dit.py to reduce code duplication.
-# Audio-specific functions (precompute_freqs_cis_1d, legacy_precompute_freqs_cis_1d) are kept here.
+# NOTE: This module reuses common functions from mova_video_dit.py to reduce
+# code duplication. Audio-specific precompute_freqs_cis_1d is kept here.
 
 import math
 from typing import Any, Optional, Tuple
@@ -13,30 +13,22 @@ from einops import rearrange
 from torch.distributed.tensor import DTensor
 
 from sglang.multimodal_gen.configs.models.dits.mova_audio import MOVAAudioConfig
+from sglang.multimodal_gen.configs.models.fsdp import is_block
 from sglang.multimodal_gen.runtime.layers.linear import ReplicatedLinear
-from sglang.multimodal_gen.runtime.layers.mlp import MLP
+from sglang.multimodal_gen.runtime.layers.quantization.configs.base_config import (
+    QuantizationConfig,
+)
+from sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload import (
+    LayerwiseOffloadableModuleMixin,
+)
 from sglang.multimodal_gen.runtime.models.dits.base import CachableDiT
-from sglang.multimodal_gen.runtime.utils.layerwise_offload import OffloadableDiTMixin
 
 # Reuse common functions and classes from mova_video_dit
-from .mova_video_dit import DiTBlock, precompute_freqs_cis, sinusoidal_embedding_1d
-
-
-# Audio-specific positional encoding functions
-def legacy_precompute_freqs_cis_1d(
-    dim: int,
-    end: int = 16384,
-    theta: float = 10000.0,
-    base_tps=4.0,
-    target_tps=44100 / 2048,
-):
-    s = float(base_tps) / float(target_tps)
-    # 1d rope precompute
-    f_freqs_cis = precompute_freqs_cis(dim - 2 * (dim // 3), end, theta, s)
-    # No positional encoding is applied to the remaining dimensions
-    no_freqs_cis = precompute_freqs_cis(dim // 3, end, theta, s)
-    no_freqs_cis = torch.ones_like(no_freqs_cis)
-    return f_freqs_cis, no_freqs_cis, no_freqs_cis
+from .mova_video_dit import (
+    initialize_mova_transformer_layers,
+    precompute_freqs_cis,
+    sinusoidal_embedding_1d,
+)
 
 
 def precompute_freqs_cis_1d(dim: int, end: int = 16384, theta: float = 10000.0):
@@ -82,9 +74,6 @@ class Conv1dLocalIsland(nn.Conv1d):
       placements can be customized).
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-
     def forward(self, input):
         if isinstance(input, DTensor):
             x_local = input.to_local()  # type: ignore[attr-defined]
@@ -98,31 +87,31 @@ class Conv1dLocalIsland(nn.Conv1d):
             return super().forward(input)
 
 
-class WanAudioModel(CachableDiT, OffloadableDiTMixin):
-    _fsdp_shard_conditions = MOVAAudioConfig()._fsdp_shard_conditions
-    _compile_conditions = MOVAAudioConfig()._compile_conditions
-    _supported_attention_backends = MOVAAudioConfig()._supported_attention_backends
+class WanAudioModel(CachableDiT, LayerwiseOffloadableModuleMixin):
+    _fsdp_shard_conditions = [is_block]
+    _compile_conditions = [is_block]
     param_names_mapping = MOVAAudioConfig().param_names_mapping
     reverse_param_names_mapping = MOVAAudioConfig().reverse_param_names_mapping
     lora_param_names_mapping = MOVAAudioConfig().lora_param_names_mapping
 
-    def __init__(self, config: MOVAAudioConfig, hf_config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        config: MOVAAudioConfig,
+        hf_config: dict[str, Any],
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         super().__init__(config=config, hf_config=hf_config)
 
         # Extract parameters from config
         dim = config.dim
         in_dim = config.in_dim
-        ffn_dim = config.ffn_dim
         out_dim = config.out_dim
-        text_dim = config.text_dim
         freq_dim = config.freq_dim
         eps = config.eps
         patch_size = config.patch_size
         num_heads = config.num_heads
-        num_layers = config.num_layers
-        has_image_pos_emb = config.has_image_pos_emb
         has_ref_conv = config.has_ref_conv
-        seperated_timestep = config.seperated_timestep
+        separated_timestep = config.separated_timestep
         require_vae_embedding = config.require_vae_embedding
         require_clip_embedding = config.require_clip_embedding
         fuse_vae_embedding_in_latents = config.fuse_vae_embedding_in_latents
@@ -131,52 +120,25 @@ class WanAudioModel(CachableDiT, OffloadableDiTMixin):
         self.dim = dim
         self.freq_dim = freq_dim
         self.patch_size = patch_size
-        self.seperated_timestep = seperated_timestep
+        self.separated_timestep = separated_timestep
         self.require_vae_embedding = require_vae_embedding
         self.require_clip_embedding = require_clip_embedding
         self.fuse_vae_embedding_in_latents = fuse_vae_embedding_in_latents
         self.vae_type = vae_type
-        # self.patch_embedding = nn.Conv3d(
-        #     in_dim, dim, kernel_size=patch_size, stride=patch_size)
         self.patch_embedding = Conv1dLocalIsland(
             in_dim, dim, kernel_size=patch_size, stride=patch_size
         )
-        self.text_embedding = MLP(
-            text_dim, dim, output_dim=dim, act_type="gelu_pytorch_tanh"
-        )
-        self.time_embedding = MLP(freq_dim, dim, output_dim=dim, act_type="silu")
-        # Preserve state_dict keys (time_projection.1.weight/bias).
-        self.time_projection = nn.Sequential(nn.SiLU(), ReplicatedLinear(dim, dim * 6))
-        self.blocks = nn.ModuleList(
-            [DiTBlock(dim, num_heads, ffn_dim, eps) for _ in range(num_layers)]
-        )
+        initialize_mova_transformer_layers(self, config, quant_config)
         self.head = Head(dim, out_dim, patch_size, eps)
         self.num_heads = num_heads
         self.freqs = None
-        self.img_pos_emb = None
         if has_ref_conv:
             self.ref_conv = nn.Conv2d(16, dim, kernel_size=(2, 2), stride=(2, 2))
-        self.has_image_pos_emb = has_image_pos_emb
         self.has_ref_conv = has_ref_conv
         self.hidden_size = dim
         self.num_attention_heads = num_heads
         self.num_channels_latents = out_dim
         self.layer_names = ["blocks"]
-        self.cnt = 0
-        self.teacache_thresh = 0
-        self.coefficients = []
-        self.accumulated_rel_l1_distance = 0
-        self.previous_modulated_input = None
-        self.previous_resiual = None
-        self.previous_e0_even = None
-        self.previous_e0_odd = None
-        self.previous_residual_even = None
-        self.previous_residual_odd = None
-        self.is_even = False
-        self.should_calc_even = True
-        self.should_calc_odd = True
-        self.accumulated_rel_l1_distance_even = 0
-        self.accumulated_rel_l1_distance_odd = 0
         self.__post_init__()
 
     def _init_freqs(self):

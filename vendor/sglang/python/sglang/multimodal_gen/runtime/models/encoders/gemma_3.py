@@ -4,7 +4,6 @@
 # Adapted from sglang: python/sglang/srt/models/gemma3_causal.py
 
 import logging
-from functools import partial
 from typing import Any, Iterable, Optional, Set, Tuple
 
 import torch
@@ -12,11 +11,10 @@ from torch import nn
 
 from sglang.multimodal_gen.configs.models.encoders.base import BaseEncoderOutput
 from sglang.multimodal_gen.configs.models.encoders.gemma_3 import Gemma3Config
+from sglang.multimodal_gen.runtime.cache.conditioning import cached_conditioning
 from sglang.multimodal_gen.runtime.distributed import get_tp_world_size
 from sglang.multimodal_gen.runtime.layers.activation import GeluAndMul
-from sglang.multimodal_gen.runtime.layers.attention import LocalAttention
 from sglang.multimodal_gen.runtime.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -24,13 +22,81 @@ from sglang.multimodal_gen.runtime.layers.linear import (
 from sglang.multimodal_gen.runtime.layers.quantization import QuantizationConfig
 from sglang.multimodal_gen.runtime.layers.rotary_embedding import get_rope
 from sglang.multimodal_gen.runtime.loader.weight_utils import default_weight_loader
+from sglang.multimodal_gen.runtime.managers.memory_managers.layerwise_offload import (
+    LayerwiseOffloadableModuleMixin,
+)
+from sglang.multimodal_gen.runtime.models.encoders.base import (
+    EncoderTensorParallelMixin,
+    get_attention_head_partition,
+)
 from sglang.multimodal_gen.runtime.utils.common import add_prefix
+from sglang.srt.models.siglip import SiglipVisionModel
 
 logger = logging.getLogger(__name__)
 
 
+def _load_with_shard_id(
+    weight_loader, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id
+) -> None:
+    """Try the checkpoint shard id before its equivalent string or integer form."""
+    try:
+        weight_loader(param, loaded_weight, shard_id)
+        return
+    except (AssertionError, TypeError):
+        pass
+
+    if isinstance(shard_id, str):
+        mapping = {"q": 0, "k": 1, "v": 2}
+        if shard_id in mapping:
+            weight_loader(param, loaded_weight, mapping[shard_id])
+            return
+        if shard_id.isdigit():
+            weight_loader(param, loaded_weight, int(shard_id))
+            return
+    elif isinstance(shard_id, int):
+        mapping = {0: "q", 1: "k", 2: "v"}
+        if shard_id in mapping:
+            weight_loader(param, loaded_weight, mapping[shard_id])
+            return
+
+    raise TypeError(
+        f"Unsupported shard_id={shard_id!r} for weight_loader={weight_loader} "
+        f"(param={param.name})."
+    )
+
+
 def get_attention_sliding_window_size(config):
     return config.sliding_window - 1
+
+
+def _load_with_shard_id(
+    weight_loader, param, loaded_weight: torch.Tensor, shard_id
+) -> None:
+    """Try the supplied shard ID, then its equivalent q/k/v or integer form."""
+    try:
+        weight_loader(param, loaded_weight, shard_id)
+        return
+    except (AssertionError, TypeError):
+        pass
+
+    if isinstance(shard_id, str):
+        mapping = {"q": 0, "k": 1, "v": 2}
+        if shard_id in mapping:
+            weight_loader(param, loaded_weight, mapping[shard_id])
+            return
+        if shard_id.isdigit():
+            weight_loader(param, loaded_weight, int(shard_id))
+            return
+    elif isinstance(shard_id, int):
+        mapping = {0: "q", 1: "k", 2: "v"}
+        if shard_id in mapping:
+            weight_loader(param, loaded_weight, mapping[shard_id])
+            return
+
+    raise TypeError(
+        f"Unsupported shard_id={shard_id!r} for weight_loader={weight_loader} "
+        f"(param={getattr(param, 'name', '<param>')})."
+    )
 
 
 class Gemma3RMSNorm(nn.Module):
@@ -90,6 +156,11 @@ class Gemma3MLP(nn.Module):
         return x
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
 class Gemma3Attention(nn.Module):
     def __init__(
         self,
@@ -106,14 +177,10 @@ class Gemma3Attention(nn.Module):
         self.hidden_size = hidden_size
         tp_size = get_tp_world_size()
         self.total_num_heads = num_heads
-        assert self.total_num_heads % tp_size == 0
-        self.num_heads = self.total_num_heads // tp_size
         self.total_num_kv_heads = num_kv_heads
-        if self.total_num_kv_heads >= tp_size:
-            assert self.total_num_kv_heads % tp_size == 0
-        else:
-            assert tp_size % self.total_num_kv_heads == 0
-        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        self.num_heads, self.num_kv_heads = get_attention_head_partition(
+            num_heads, num_kv_heads, tp_size
+        )
 
         self.head_dim = getattr(
             config.text_config, "head_dim", self.hidden_size // self.total_num_heads
@@ -141,27 +208,72 @@ class Gemma3Attention(nn.Module):
             prefix=f"{prefix}.o_proj",
         )
 
-        self.is_sliding = (
-            config.text_config.layer_types[layer_id] == "sliding_attention"
-        )
+        layer_types = getattr(config.text_config, "layer_types", None)
+        if layer_types:
+            self.layer_type = layer_types[layer_id]
+            self.is_sliding = self.layer_type == "sliding_attention"
+        else:
+            # official Gemma3 uses sliding_window_pattern when layer_types is absent
+            sliding_window_pattern = getattr(
+                config.text_config, "sliding_window_pattern", None
+            )
+            self.is_sliding = (
+                bool((layer_id + 1) % sliding_window_pattern)
+                if sliding_window_pattern
+                else False
+            )
+            self.layer_type = "sliding_attention" if self.is_sliding else None
+
+        rope_parameters = getattr(config.text_config, "rope_parameters", None) or {}
+        layer_rope_params = {}
+        if self.layer_type is not None and isinstance(rope_parameters, dict):
+            layer_rope_params = dict(rope_parameters.get(self.layer_type) or {})
 
         # Initialize the rotary embedding.
         if self.is_sliding:
             # Local attention.
-            self.rope_theta = config.text_config.rope_local_base_freq
-            rope_scaling = None  # Default
+            self.rope_theta = float(
+                layer_rope_params.get(
+                    "rope_theta",
+                    getattr(
+                        config.text_config,
+                        "rope_local_base_freq",
+                        getattr(
+                            getattr(config.text_config, "default_theta", {}),
+                            "get",
+                            lambda *_: 10_000.0,
+                        )("local", 10_000.0),
+                    ),
+                )
+            )
+            rope_scaling = layer_rope_params or None
             # sliding window
             self.sliding_window = get_attention_sliding_window_size(config.text_config)
             # (left, right) = (window, 0) effectively for causal
             self.window_size = (self.sliding_window, 0)
         else:
             # Global attention.
-            self.rope_theta = config.text_config.rope_theta
-            rope_scaling = config.text_config.rope_scaling
+            self.rope_theta = float(
+                layer_rope_params.get(
+                    "rope_theta",
+                    getattr(
+                        config.text_config,
+                        "rope_theta",
+                        getattr(
+                            getattr(config.text_config, "default_theta", {}),
+                            "get",
+                            lambda *_: 1_000_000.0,
+                        )("global", 1_000_000.0),
+                    ),
+                )
+            )
+            rope_scaling = layer_rope_params or getattr(
+                config.text_config, "rope_scaling", None
+            )
             self.sliding_window = None
             self.window_size = (-1, -1)
 
-        self.rotary_emb = get_rope(
+        self.rotary_pos_emb = get_rope(
             self.head_dim,
             rotary_dim=self.head_dim,
             max_position=config.text_config.max_position_embeddings,
@@ -170,17 +282,6 @@ class Gemma3Attention(nn.Module):
             is_neox_style=True,
         )
 
-        # Local Attention not support attention mask, we use global attention instead.
-        # self.attn = LocalAttention(
-        #     self.num_heads,
-        #     self.head_dim,
-        #     self.num_kv_heads,
-        #     softmax_scale=self.scaling,
-        #     causal=True,
-        #     supported_attention_backends=config._supported_attention_backends,
-        #     window_size=self.window_size,
-        # )
-
         # Gemma3 adds normalization for q and k
         self.q_norm = Gemma3RMSNorm(
             dim=self.head_dim, eps=config.text_config.rms_norm_eps
@@ -188,6 +289,25 @@ class Gemma3Attention(nn.Module):
         self.k_norm = Gemma3RMSNorm(
             dim=self.head_dim, eps=config.text_config.rms_norm_eps
         )
+
+    def _apply_rotary_pos_emb(self, positions, q, k):
+        positions_flat = positions.flatten().to(
+            device=self.rotary_pos_emb.cos_sin_cache.device, dtype=torch.long
+        )
+        cos_sin = self.rotary_pos_emb.cos_sin_cache.index_select(0, positions_flat)
+        cos, sin = cos_sin.chunk(2, dim=-1)
+        # match HF Gemma3: expand half-dim freqs to full head dim before rotate_half
+        cos = torch.cat((cos, cos), dim=-1).to(device=q.device, dtype=q.dtype)
+        sin = torch.cat((sin, sin), dim=-1).to(device=q.device, dtype=q.dtype)
+        cos = cos.unsqueeze(1)
+        sin = sin.unsqueeze(1)
+        num_tokens = positions_flat.shape[0]
+
+        q = q.reshape(num_tokens, -1, self.head_dim)
+        k = k.reshape(num_tokens, -1, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k
 
     def forward(
         self,
@@ -208,17 +328,19 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(k)
 
         # Apply RoPE
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self._apply_rotary_pos_emb(positions, q, k)
+        q = q.reshape(batch_size, seq_len, self.num_heads, self.head_dim)
+        k = k.reshape(batch_size, seq_len, self.num_kv_heads, self.head_dim)
 
         # TODO(FlamingoPg): Support LocalAttention
         query = q.transpose(1, 2)
         key = k.transpose(1, 2)
         value = v.transpose(1, 2)
 
-        attn_mask = torch.zeros(
+        attn_mask = torch.ones(
             (seq_len, seq_len),
             device=hidden_states.device,
-            dtype=torch.float32,
+            dtype=torch.bool,
         )
         causal = torch.triu(
             torch.ones(
@@ -226,30 +348,39 @@ class Gemma3Attention(nn.Module):
             ),
             diagonal=1,
         )
-        attn_mask = attn_mask.masked_fill(causal, float("-inf"))
+        attn_mask = attn_mask.masked_fill(causal, False)
         if self.is_sliding and self.sliding_window is not None:
             idx = torch.arange(seq_len, device=hidden_states.device)
-            dist = idx[None, :] - idx[:, None]
+            dist = idx[:, None] - idx[None, :]
             too_far = dist > self.sliding_window
-            attn_mask = attn_mask.masked_fill(too_far, float("-inf"))
+            attn_mask = attn_mask.masked_fill(too_far, False)
 
-        key_pad = ~attention_mask.to(torch.bool)
         attn_mask = attn_mask[None, None, :, :].expand(batch_size, 1, seq_len, seq_len)
-        attn_mask = attn_mask.masked_fill(
-            key_pad[:, None, None, :].expand(batch_size, 1, seq_len, seq_len),
-            float("-inf"),
-        )
+        attn_mask = attn_mask & attention_mask.to(torch.bool)[:, None, None, :]
 
-        attn_kwargs = {
-            "attn_mask": attn_mask,
-            "dropout_p": 0.0,
-            "is_causal": False,
-            "scale": self.scaling,
-        }
         if query.shape[1] != key.shape[1]:
-            attn_kwargs["enable_gqa"] = True
+            num_key_value_groups = query.shape[1] // key.shape[1]
+            key = key[:, :, None, :, :].expand(
+                batch_size, key.shape[1], num_key_value_groups, seq_len, self.head_dim
+            )
+            value = value[:, :, None, :, :].expand(
+                batch_size,
+                value.shape[1],
+                num_key_value_groups,
+                seq_len,
+                self.head_dim,
+            )
+            key = key.reshape(batch_size, query.shape[1], seq_len, self.head_dim)
+            value = value.reshape(batch_size, query.shape[1], seq_len, self.head_dim)
+
         attn_output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, **attn_kwargs
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            scale=self.scaling,
         )
         attn_output = attn_output.transpose(1, 2)
 
@@ -357,267 +488,6 @@ class Gemma3TextScaledWordEmbedding(nn.Embedding):
         return super().forward(input_ids) * self.embed_scale
 
 
-# --- Siglip Vision Model Implementation ---
-
-
-class QuickGELU(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.sigmoid(1.702 * x)
-
-
-class SiglipVisionEmbeddings(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.embed_dim = config.hidden_size
-        self.image_size = config.image_size
-        self.patch_size = config.patch_size
-
-        self.patch_embedding = nn.Conv2d(
-            in_channels=config.num_channels,
-            out_channels=self.embed_dim,
-            kernel_size=self.patch_size,
-            stride=self.patch_size,
-            padding="valid",
-        )
-
-        self.num_patches = (self.image_size // self.patch_size) ** 2
-        self.num_positions = self.num_patches
-        # Use simple Embedding for position embeddings (usually small enough)
-        self.position_embedding = nn.Embedding(self.num_positions, self.embed_dim)
-        self.register_buffer(
-            "position_ids",
-            torch.arange(self.num_positions).expand((1, -1)),
-            persistent=False,
-        )
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        target_dtype = self.patch_embedding.weight.dtype
-        patch_embeds = self.patch_embedding(
-            pixel_values.to(dtype=target_dtype)
-        )  # shape = [*, width, grid, grid]
-        embeddings = patch_embeds.flatten(2).transpose(1, 2)
-        embeddings = embeddings + self.position_embedding(self.position_ids)
-
-        return embeddings
-
-
-class SiglipMLP(nn.Module):
-    def __init__(
-        self,
-        config,
-        act_layer: type[nn.Module] = QuickGELU,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ):
-        super().__init__()
-        self.fc1 = ColumnParallelLinear(
-            config.hidden_size,
-            config.intermediate_size,
-            quant_config=quant_config,
-            prefix=add_prefix("fc1", prefix),
-        )
-        self.act = act_layer()
-        self.fc2 = RowParallelLinear(
-            config.intermediate_size,
-            config.hidden_size,
-            quant_config=quant_config,
-            prefix=add_prefix("fc2", prefix),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_parallel, _ = self.fc1(x)
-        x_parallel = self.act(x_parallel)
-        x, _ = self.fc2(x_parallel)
-        return x
-
-
-class SiglipAttention(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        num_heads: int,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ):
-        super().__init__()
-        self.hidden_size = hidden_size
-        self.num_heads = num_heads
-        tp_size = get_tp_world_size()
-        self.head_dim = hidden_size // num_heads
-        self.num_heads_per_partition = num_heads // tp_size
-        self.scaling = self.head_dim**-0.5
-
-        self.qkv_proj = QKVParallelLinear(
-            hidden_size=hidden_size,
-            head_size=self.head_dim,
-            total_num_heads=num_heads,
-            total_num_kv_heads=num_heads,
-            bias=True,
-            quant_config=quant_config,
-            prefix=add_prefix("qkv_proj", prefix),
-        )
-
-        self.out_proj = RowParallelLinear(
-            input_size=hidden_size,
-            output_size=hidden_size,
-            bias=True,
-            quant_config=quant_config,
-            prefix=add_prefix("out_proj", prefix),
-        )
-
-        self.attn = LocalAttention(
-            num_heads=self.num_heads_per_partition,
-            head_size=self.head_dim,
-            num_kv_heads=self.num_heads_per_partition,
-            softmax_scale=self.scaling,
-            causal=False,  # Bidirectional for Vision
-        )
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.hidden_size // get_tp_world_size()] * 3, dim=-1)
-
-        batch_size, seq_len, _ = q.shape
-        q = q.view(batch_size, seq_len, self.num_heads_per_partition, self.head_dim)
-        k = k.view(batch_size, seq_len, self.num_heads_per_partition, self.head_dim)
-        v = v.view(batch_size, seq_len, self.num_heads_per_partition, self.head_dim)
-
-        attn_output = self.attn(q, k, v)
-
-        attn_output = attn_output.reshape(
-            batch_size, seq_len, self.hidden_size // get_tp_world_size()
-        )
-
-        output, _ = self.out_proj(attn_output)
-        return output
-
-
-class SiglipEncoderLayer(nn.Module):
-    def __init__(
-        self,
-        config,
-        act_layer: type[nn.Module] = QuickGELU,
-        norm_layer: type[nn.Module] = None,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        if norm_layer is None:
-            norm_layer = partial(nn.LayerNorm, eps=config.layer_norm_eps)
-        self.layer_norm1 = norm_layer(config.hidden_size)
-        self.layer_norm2 = norm_layer(config.hidden_size)
-        self.self_attn = SiglipAttention(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            quant_config=quant_config,
-            prefix=add_prefix("self_attn", prefix),
-        )
-        self.mlp = SiglipMLP(
-            config,
-            act_layer=act_layer,
-            quant_config=quant_config,
-            prefix=add_prefix("mlp", prefix),
-        )
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.layer_norm1(hidden_states)
-        hidden_states = self.self_attn(hidden_states)
-        hidden_states = residual + hidden_states
-
-        residual = hidden_states
-        hidden_states = self.layer_norm2(hidden_states)
-        hidden_states = self.mlp(hidden_states)
-        hidden_states = residual + hidden_states
-        return hidden_states
-
-
-class SiglipEncoder(nn.Module):
-    def __init__(
-        self,
-        config,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.config = config
-        num_hidden_layers = config.num_hidden_layers
-        norm_layer = partial(nn.LayerNorm, eps=config.layer_norm_eps)
-        self.layers = nn.ModuleList(
-            [
-                SiglipEncoderLayer(
-                    config=config,
-                    norm_layer=norm_layer,
-                    quant_config=quant_config,
-                    prefix=add_prefix(f"layers.{layer_idx}", prefix),
-                )
-                for layer_idx in range(num_hidden_layers)
-            ]
-        )
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-    ) -> torch.Tensor:
-        hidden_states = inputs_embeds
-        for encoder_layer in self.layers:
-            hidden_states = encoder_layer(hidden_states)
-        return hidden_states
-
-
-class SiglipVisionTransformer(nn.Module):
-    def __init__(
-        self,
-        config,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.config = config
-        embed_dim = config.hidden_size
-        self.embeddings = SiglipVisionEmbeddings(config)
-        self.encoder = SiglipEncoder(
-            config=config,
-            quant_config=quant_config,
-            prefix=add_prefix("encoder", prefix),
-        )
-        self.post_layernorm = nn.LayerNorm(embed_dim, eps=config.layer_norm_eps)
-
-    @property
-    def device(self) -> torch.device:
-        return self.encoder.layers[0].layer_norm1.weight.device
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embeddings(pixel_values.to(self.device))
-        last_hidden_state = self.encoder(inputs_embeds=hidden_states)
-        last_hidden_state = self.post_layernorm(last_hidden_state)
-        return last_hidden_state
-
-
-class SiglipVisionModel(nn.Module):
-    def __init__(
-        self,
-        config,
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ):
-        super().__init__()
-        self.vision_model = SiglipVisionTransformer(
-            config, quant_config, prefix=add_prefix("vision_model", prefix)
-        )
-
-    @property
-    def device(self) -> torch.device:
-        return self.vision_model.device
-
-    def forward(self, pixel_values: torch.Tensor):
-        return self.vision_model(pixel_values)
-
-
 class Gemma3MultiModalProjector(nn.Module):
     """Projector for Gemma3 multimodal."""
 
@@ -696,7 +566,9 @@ class Gemma3TextModel(nn.Module):
                     layer_id=i,
                     config=config,
                     quant_config=self.quant_config,
-                    prefix=f"{config.text_config.prefix}.layers.{i}",
+                    prefix=add_prefix(
+                        f"layers.{i}", getattr(config.text_config, "prefix", "")
+                    ),
                 )
                 for i in range(config.text_config.num_hidden_layers)
             ]
@@ -707,7 +579,8 @@ class Gemma3TextModel(nn.Module):
         )
 
     def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embed_scale
+        out = self.embed_tokens(input_ids)
+        return out * torch.tensor(self.embed_scale, device=out.device, dtype=out.dtype)
 
     def forward(
         self,
@@ -735,7 +608,6 @@ class Gemma3TextModel(nn.Module):
             position_ids = torch.arange(
                 0, hidden_states.shape[1], device=hidden_states.device
             ).unsqueeze(0)
-        position_ids = position_ids + 1
 
         all_hidden_states: tuple[Any, ...] | None = () if output_hidden_states else None
 
@@ -766,43 +638,6 @@ class Gemma3TextModel(nn.Module):
         # Copied from LlamaModel.load_weights but adapted
         params_dict = dict(self.named_parameters())
         loaded_params: set[str] = set()
-
-        def _load_with_shard_id(
-            weight_loader, param, loaded_weight: torch.Tensor, shard_id
-        ) -> None:
-            """Call param.weight_loader with best-effort shard_id normalization.
-
-            Different fused-QKV implementations expect different shard_id types:
-            - Some expect strings: "q"/"k"/"v"
-            - Some expect integer indices: 0/1/2
-            We try the provided shard_id first, then fall back between str/int forms.
-            """
-            try:
-                weight_loader(param, loaded_weight, shard_id)
-                return
-            except (AssertionError, TypeError):
-                pass
-
-            # Fall back between common representations.
-            if isinstance(shard_id, str):
-                mapping = {"q": 0, "k": 1, "v": 2}
-                if shard_id in mapping:
-                    weight_loader(param, loaded_weight, mapping[shard_id])
-                    return
-                if shard_id.isdigit():
-                    weight_loader(param, loaded_weight, int(shard_id))
-                    return
-            elif isinstance(shard_id, int):
-                mapping = {0: "q", 1: "k", 2: "v"}
-                if shard_id in mapping:
-                    weight_loader(param, loaded_weight, mapping[shard_id])
-                    return
-
-            # Re-raise with a clearer message.
-            raise TypeError(
-                f"Unsupported shard_id={shard_id!r} for weight_loader={weight_loader} "
-                f"(param={getattr(param, 'name', '<param>')})."
-            )
 
         stacked_params_mapping = getattr(
             getattr(self.config, "arch_config", object()),
@@ -852,7 +687,24 @@ class Gemma3TextModel(nn.Module):
         return loaded_params
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
+class Gemma3ForConditionalGeneration(
+    EncoderTensorParallelMixin, nn.Module, LayerwiseOffloadableModuleMixin
+):
+    # transformers 5.6.0 flattened SiglipVisionModel, dropping the
+    # `vision_model` intermediate wrapper. Our reimpl keeps it, so remap
+    # HF source keys back into our nested namespace when transferring weights.
+    layerwise_offload_dit_group_enabled = False
+    layer_names = ["language_model.layers"]
+
+    param_names_mapping = {
+        r"^(vision_tower\.)(embeddings|encoder|post_layernorm|head)\.": r"\1vision_model.\2.",
+        r"^(vision_tower\.vision_model\.encoder\.layers\.\d+\.self_attn\.)out_proj\.": r"\1proj.",
+    }
+    reverse_param_names_mapping = {
+        r"^(vision_tower\.)vision_model\.(embeddings|encoder|post_layernorm|head)\.": r"\1\2.",
+        r"^(vision_tower\.vision_model\.encoder\.layers\.\d+\.self_attn\.)proj\.": r"\1out_proj.",
+    }
+
     def __init__(
         self,
         config: Gemma3Config,
@@ -867,6 +719,7 @@ class Gemma3ForConditionalGeneration(nn.Module):
         # Vision Tower
         self.vision_tower = SiglipVisionModel(
             config=config.vision_config,
+            qkv_backend="sdpa",
             quant_config=quant_config,
             prefix=add_prefix("vision_tower", prefix),
         )
@@ -929,8 +782,7 @@ class Gemma3ForConditionalGeneration(nn.Module):
             elif pixel_values.dim() != 4:
                 raise ValueError(f"Unexpected pixel_values shape: {pixel_values.shape}")
 
-            vision_outputs = self.vision_tower(pixel_values)
-            image_features = self.multi_modal_projector(vision_outputs)
+            image_features = self._encode_image_features(pixel_values)
             image_features = image_features.to(
                 device=inputs_embeds.device, dtype=inputs_embeds.dtype
             )
@@ -945,45 +797,13 @@ class Gemma3ForConditionalGeneration(nn.Module):
             llm_input_ids, inputs_embeds=inputs_embeds, **kwargs
         )
 
+    @cached_conditioning
+    def _encode_image_features(self, pixel_values):
+        return self.multi_modal_projector(self.vision_tower(pixel_values))
+
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Set[str]:
         loaded_params: Set[str] = set()
         params_dict = dict(self.named_parameters())
-
-        def _load_with_shard_id(
-            weight_loader, param, loaded_weight: torch.Tensor, shard_id
-        ) -> None:
-            """Call param.weight_loader with best-effort shard_id normalization.
-
-            Different fused-QKV implementations expect different shard_id types:
-            - Some expect strings: "q"/"k"/"v"
-            - Some expect integer indices: 0/1/2
-            We try the provided shard_id first, then fall back between str/int forms.
-            """
-            try:
-                weight_loader(param, loaded_weight, shard_id)
-                return
-            except (AssertionError, TypeError):
-                pass
-
-            # Fall back between common representations.
-            if isinstance(shard_id, str):
-                mapping = {"q": 0, "k": 1, "v": 2}
-                if shard_id in mapping:
-                    weight_loader(param, loaded_weight, mapping[shard_id])
-                    return
-                if shard_id.isdigit():
-                    weight_loader(param, loaded_weight, int(shard_id))
-                    return
-            elif isinstance(shard_id, int):
-                mapping = {0: "q", 1: "k", 2: "v"}
-                if shard_id in mapping:
-                    weight_loader(param, loaded_weight, mapping[shard_id])
-                    return
-
-            raise TypeError(
-                f"Unsupported shard_id={shard_id!r} for weight_loader={weight_loader} "
-                f"(param={getattr(param, 'name', '<param>')})."
-            )
 
         # Separate weights
         language_model_weights: list[tuple[str, torch.Tensor]] = []

@@ -5,7 +5,6 @@ from transformers import (
     DynamicCache,
     PretrainedConfig,
     Qwen2_5_VLTextConfig,
-    Qwen2RMSNorm,
 )
 from transformers.masking_utils import (
     create_causal_mask,
@@ -16,16 +15,31 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.utils import TransformersKwargs, is_torchdynamo_compiling
 
 from sglang.multimodal_gen.configs.models.encoders.qwen_image import Qwen2_5VLConfig
-from sglang.multimodal_gen.runtime.layers.attention import LocalAttention
-from sglang.multimodal_gen.runtime.layers.linear import (
-    MergedColumnParallelLinear,
-    RowParallelLinear,
+from sglang.multimodal_gen.runtime.distributed import (
+    get_tp_world_size,
+    model_parallel_is_initialized,
 )
+from sglang.multimodal_gen.runtime.layers.attention import LocalAttention
 from sglang.multimodal_gen.runtime.layers.quantization import QuantizationConfig
 from sglang.multimodal_gen.runtime.loader.weight_utils import default_weight_loader
 from sglang.multimodal_gen.runtime.models.encoders.base import TextEncoder
+from sglang.multimodal_gen.runtime.models.encoders.qwen2_5vl_vision import (
+    Qwen2_5VLVisionTransformer,
+)
+from sglang.multimodal_gen.runtime.models.encoders.qwen_vl import QwenVLModelBase
+from sglang.multimodal_gen.runtime.models.encoders.qwen_vl_rope import (
+    apply_qwen_vl_text_rope,
+    build_qwen_vl_text_rope,
+)
 from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
-from sglang.multimodal_gen.runtime.utils.common import add_prefix
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLMLP
 
 # coding=utf-8
 # Adapted from
@@ -52,7 +66,7 @@ from sglang.multimodal_gen.runtime.utils.common import add_prefix
 # limitations under the License.
 """Inference-only Qwen2-VL model compatible with HuggingFace weights."""
 import logging
-from typing import Callable, Iterable, Optional, Tuple, Union
+from typing import Iterable, Optional, Tuple, Union
 
 try:
     from typing import Unpack  # type: ignore[attr-defined]
@@ -62,19 +76,107 @@ except ImportError:
 
 import torch
 import torch.nn as nn
-from transformers.activations import ACT2FN
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-    Qwen2_5_VisionTransformerPretrainedModel,
-    Qwen2_5_VLAttention,
     Qwen2_5_VLCausalLMOutputWithPast,
     Qwen2_5_VLModelOutputWithPast,
-    Qwen2_5_VLRotaryEmbedding,
-    Qwen2MLP,
-    apply_multimodal_rotary_pos_emb,
-    eager_attention_forward,
 )
 
+from sglang.multimodal_gen.runtime.cache.conditioning import cached_conditioning
+
 logger = logging.getLogger(__name__)
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor,
+    input_ids: torch.LongTensor,
+    penalty: float,
+) -> torch.Tensor:
+    if penalty == 1.0:
+        return logits
+    selected_logits = torch.gather(logits, 1, input_ids)
+    selected_logits = torch.where(
+        selected_logits < 0,
+        selected_logits * penalty,
+        selected_logits / penalty,
+    )
+    return logits.scatter(1, input_ids, selected_logits)
+
+
+def _select_next_token(
+    logits: torch.Tensor,
+    input_ids: torch.LongTensor,
+    *,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    repetition_penalty: float,
+) -> torch.LongTensor:
+    scores = _apply_repetition_penalty(logits.float(), input_ids, repetition_penalty)
+    if not do_sample or top_k == 1:
+        return torch.argmax(scores, dim=-1)
+
+    scores = scores / temperature
+    if 0 < top_k < scores.shape[-1]:
+        top_k_threshold = torch.topk(scores, top_k, dim=-1).values[..., -1, None]
+        scores = scores.masked_fill(scores < top_k_threshold, -torch.inf)
+    if top_p < 1.0:
+        sorted_scores, sorted_indices = torch.sort(scores, descending=True)
+        cumulative_probs = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
+        sorted_remove = cumulative_probs > top_p
+        sorted_remove[..., 1:] = sorted_remove[..., :-1].clone()
+        sorted_remove[..., 0] = False
+        remove = torch.zeros_like(sorted_remove).scatter(
+            1, sorted_indices, sorted_remove
+        )
+        scores = scores.masked_fill(remove, -torch.inf)
+    return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+
+
+def _tp_world_size() -> int:
+    if not model_parallel_is_initialized():
+        return 1
+    return get_tp_world_size()
+
+
+def _linear_output(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    output = linear(x)
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _make_column_linear(
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    use_tensor_parallel: bool,
+):
+    if use_tensor_parallel:
+        return ColumnParallelLinear(
+            in_features,
+            out_features,
+            bias=bias,
+            gather_output=False,
+            parallel_group="tp" if model_parallel_is_initialized() else "replicated",
+        )
+    return ReplicatedLinear(in_features, out_features, bias=bias)
+
+
+def _make_row_linear(
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    use_tensor_parallel: bool,
+):
+    if use_tensor_parallel:
+        return RowParallelLinear(
+            in_features,
+            out_features,
+            bias=bias,
+            parallel_group="tp" if model_parallel_is_initialized() else "replicated",
+        )
+    return ReplicatedLinear(in_features, out_features, bias=bias)
 
 
 class Qwen2_5_VLAttention(nn.Module):
@@ -86,40 +188,73 @@ class Qwen2_5_VLAttention(nn.Module):
     def __init__(self, config: Qwen2_5_VLTextConfig, layer_idx: Optional[int] = None):
         super().__init__()
         self.config = config
+        self.honor_cache_free_padding_mask = getattr(
+            config, "honor_cache_free_padding_mask", False
+        )
         self.layer_idx = layer_idx
         if layer_idx is None:
-            logger.warn(
-                f"Instantiating {self.__class__.__name__} without passing `layer_idx` is not recommended and will "
-                "to errors during the forward call, if caching is used. Please make sure to provide a `layer_idx` "
-                "when creating this class."
+            logger.warning(
+                "Instantiating %s without layer_idx disables correct cache updates",
+                self.__class__.__name__,
             )
 
         self.hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_dim = self.hidden_size // self.num_heads
-        self.num_key_value_heads = config.num_key_value_heads
+        self.total_num_heads = config.num_attention_heads
+        self.head_dim = self.hidden_size // self.total_num_heads
+        self.total_num_key_value_heads = config.num_key_value_heads
+        if (self.head_dim * self.total_num_heads) != self.hidden_size:
+            raise ValueError(
+                f"hidden_size must be divisible by num_heads (got `hidden_size`: {self.hidden_size}"
+                f" and `num_heads`: {self.total_num_heads})."
+            )
+        tp_size = _tp_world_size()
+        q_size = self.total_num_heads * self.head_dim
+        kv_size = self.total_num_key_value_heads * self.head_dim
+        self.use_tensor_parallel = (
+            tp_size > 1
+            and self.total_num_heads % tp_size == 0
+            and self.total_num_key_value_heads % tp_size == 0
+            and q_size % tp_size == 0
+            and kv_size % tp_size == 0
+        )
+        self.num_heads = (
+            self.total_num_heads // tp_size
+            if self.use_tensor_parallel
+            else self.total_num_heads
+        )
+        self.num_key_value_heads = (
+            self.total_num_key_value_heads // tp_size
+            if self.use_tensor_parallel
+            else self.total_num_key_value_heads
+        )
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.is_causal = True
         self.attention_dropout = config.attention_dropout
-        self.rope_scaling = config.rope_scaling
         self.scaling = self.head_dim**-0.5
 
-        if (self.head_dim * self.num_heads) != self.hidden_size:
-            raise ValueError(
-                f"hidden_size must be divisible by num_heads (got `hidden_size`: {self.hidden_size}"
-                f" and `num_heads`: {self.num_heads})."
-            )
-        self.q_proj = nn.Linear(
-            self.hidden_size, self.num_heads * self.head_dim, bias=True
+        self.q_proj = _make_column_linear(
+            self.hidden_size,
+            q_size,
+            bias=True,
+            use_tensor_parallel=self.use_tensor_parallel,
         )
-        self.k_proj = nn.Linear(
-            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=True
+        self.k_proj = _make_column_linear(
+            self.hidden_size,
+            kv_size,
+            bias=True,
+            use_tensor_parallel=self.use_tensor_parallel,
         )
-        self.v_proj = nn.Linear(
-            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=True
+        self.v_proj = _make_column_linear(
+            self.hidden_size,
+            kv_size,
+            bias=True,
+            use_tensor_parallel=self.use_tensor_parallel,
         )
-        self.o_proj = nn.Linear(
-            self.num_heads * self.head_dim, self.hidden_size, bias=False
+        self.o_proj = _make_row_linear(
+            q_size,
+            self.hidden_size,
+            bias=False,
+            use_tensor_parallel=self.use_tensor_parallel,
         )
         self.sliding_window = (
             config.sliding_window
@@ -127,7 +262,7 @@ class Qwen2_5_VLAttention(nn.Module):
             else None
         )
 
-        self.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=config)
+        self.rotary_emb = build_qwen_vl_text_rope(config)
         self.attn = LocalAttention(
             num_heads=self.num_heads,
             head_size=self.head_dim,
@@ -149,59 +284,46 @@ class Qwen2_5_VLAttention(nn.Module):
         output_attentions: bool = False,
         use_cache: bool = False,
         cache_position: Optional[torch.LongTensor] = None,
-        position_embeddings: Optional[
-            tuple[torch.Tensor, torch.Tensor]
-        ] = None,  # necessary, but kept here for BC
         **kwargs: Unpack[FlashAttentionKwargs],
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple[torch.Tensor]]]:
         bsz, q_len, _ = hidden_states.size()
 
-        query_states = self.q_proj(hidden_states)
-        key_states = self.k_proj(hidden_states)
-        value_states = self.v_proj(hidden_states)
+        query_states = _linear_output(self.q_proj, hidden_states)
+        key_states = _linear_output(self.k_proj, hidden_states)
+        value_states = _linear_output(self.v_proj, hidden_states)
 
         query_states = query_states.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         key_states = key_states.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
         value_states = value_states.view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
 
-        cos, sin = position_embeddings
-        query_states, key_states = apply_multimodal_rotary_pos_emb(
-            query_states, key_states, cos, sin, self.rope_scaling["mrope_section"]
+        query_states, key_states = apply_qwen_vl_text_rope(
+            self.rotary_emb,
+            position_ids,
+            query_states,
+            key_states,
         )
 
         if past_key_values is not None:
-            cache_kwargs = {
-                "sin": sin,
-                "cos": cos,
-                "cache_position": cache_position,
-            }  # Specific to RoPE models
+            cache_kwargs = {"cache_position": cache_position}
             key_states, value_states = past_key_values.update(
                 key_states, value_states, self.layer_idx, cache_kwargs
             )
 
-        attention_interface: Callable = eager_attention_forward
-        # if self.config._attn_implementation != "eager":
-        # attention_interface = ALL_ATTENTION_FUNCTIONS["sdpa"]
         query_states = query_states.transpose(1, 2)
         key_states = key_states.transpose(1, 2)
         value_states = value_states.transpose(1, 2)
-        attn_output = self.attn(query_states, key_states, value_states)
-        #
-        # attn_output, attn_weights = attention_interface(
-        #     self,
-        #     query_states,
-        #     key_states,
-        #     value_states,
-        #     attention_mask,
-        #     dropout=0.0 if not self.training else self.attention_dropout,
-        #     scaling=self.scaling,
-        #     sliding_window=self.sliding_window,
-        #     position_ids=position_ids,  # pass positions for FA2
-        #     **kwargs,
-        # )
+        # LongCat masks padding on the cache-free path too; others keep the
+        # original mask-free fast path unchanged.
+        honor_mask = use_cache or self.honor_cache_free_padding_mask
+        attn_output = self.attn(
+            query_states,
+            key_states,
+            value_states,
+            attn_mask=attention_mask if honor_mask else None,
+        )
 
         attn_output = attn_output.reshape(bsz, q_len, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
+        attn_output = _linear_output(self.o_proj, attn_output)
         return attn_output
 
 
@@ -220,11 +342,25 @@ class Qwen2_5_VLDecoderLayer(nn.Module):
             )
         self.self_attn = Qwen2_5_VLAttention(config, layer_idx)
 
-        self.mlp = Qwen2MLP(config)
-        self.input_layernorm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen2RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps
+        mlp_tp_size = _tp_world_size()
+        if config.intermediate_size % mlp_tp_size != 0:
+            mlp_tp_size = 1
+        self.mlp = Qwen2_5_VLMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=False,
+            hidden_act=config.hidden_act,
+            prefix=f"model.language_model.layers.{layer_idx}.mlp",
+            fuse_gate_up=False,
+            parallel_group="tp" if mlp_tp_size > 1 else "replicated",
         )
+        norm_kwargs = dict(
+            eps=config.rms_norm_eps,
+            cast_x_before_out_mul=True,
+            force_native=True,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm_kwargs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm_kwargs)
         self.attention_type = config.layer_types[layer_idx]
 
     def forward(
@@ -236,9 +372,6 @@ class Qwen2_5_VLDecoderLayer(nn.Module):
         output_attentions: Optional[bool] = False,
         use_cache: Optional[bool] = False,
         cache_position: Optional[torch.LongTensor] = None,
-        position_embeddings: Optional[
-            tuple[torch.Tensor, torch.Tensor]
-        ] = None,  # necessary, but kept here for BC
         **kwargs: Unpack[FlashAttentionKwargs],
     ) -> tuple[
         torch.FloatTensor, Optional[tuple[torch.FloatTensor, torch.FloatTensor]]
@@ -257,9 +390,6 @@ class Qwen2_5_VLDecoderLayer(nn.Module):
             past_key_values (`Tuple(torch.FloatTensor)`, *optional*): cached past key and value projection states
             cache_position (`torch.LongTensor` of shape `(sequence_length)`, *optional*):
                 Indices depicting the position of the input sequence tokens in the sequence.
-            position_embeddings (`tuple[torch.FloatTensor, torch.FloatTensor]`, *optional*):
-                Tuple containing the cosine and sine positional embeddings of shape `(batch_size, seq_len, head_dim)`,
-                with `head_dim` being the embedding dimension of each attention head.
             kwargs (`dict`, *optional*):
                 Arbitrary kwargs to be ignored, used for FSDP and other methods that injects code
                 into the model
@@ -278,7 +408,6 @@ class Qwen2_5_VLDecoderLayer(nn.Module):
             output_attentions=output_attentions,
             use_cache=use_cache,
             cache_position=cache_position,
-            position_embeddings=position_embeddings,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -292,50 +421,35 @@ class Qwen2_5_VLDecoderLayer(nn.Module):
         return hidden_states
 
 
-class Qwen2_5_VLMLP(nn.Module):
-    def __init__(
-        self,
-        in_features: int,
-        hidden_features: int = None,
-        bias: bool = True,
-        hidden_act="silu",
-        quant_config: Optional[QuantizationConfig] = None,
-        prefix: str = "",
-    ):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            input_size=in_features,
-            output_sizes=[hidden_features] * 2,  # [gate_proj, up_proj]
-            bias=bias,
-            quant_config=quant_config,
-            prefix=add_prefix("gate_up_proj", prefix),
-        )
-        self.down_proj = RowParallelLinear(
-            hidden_features,
-            in_features,
-            bias=bias,
-            quant_config=quant_config,
-            prefix=add_prefix("down_proj", prefix),
-        )
-        self.act = ACT2FN[hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, _ = self.gate_up_proj(x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        x = self.act(gate) * up
-        x_down, _ = self.down_proj(x)
-        return x_down
+def _build_causal_padding_mask(
+    attention_mask: torch.Tensor, inputs_embeds: torch.Tensor
+) -> torch.Tensor:
+    """Build a causal+padding bool mask ``[batch, 1, q_len, kv_len]``; True attends."""
+    q_len = inputs_embeds.shape[1]
+    kv_len = attention_mask.shape[-1]
+    device = inputs_embeds.device
+    q_idx = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(-1)
+    kv_idx = torch.arange(kv_len, device=device).unsqueeze(0)
+    causal = (kv_idx <= q_idx).unsqueeze(0)
+    padding = attention_mask.to(device=device, dtype=torch.bool).unsqueeze(1)
+    return (causal & padding).unsqueeze(1)
 
 
 class Qwen2_5_VLTextModel(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         self.config = config
+        self.honor_cache_free_padding_mask = getattr(
+            config, "honor_cache_free_padding_mask", False
+        )
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
 
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, self.padding_idx
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size,
+            config.hidden_size,
+            org_num_embeddings=config.vocab_size,
+            prefix="model.language_model.embed_tokens",
         )
         self.layers = nn.ModuleList(
             [
@@ -344,8 +458,12 @@ class Qwen2_5_VLTextModel(nn.Module):
             ]
         )
         self._attn_implementation = config._attn_implementation
-        self.norm = Qwen2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen2_5_VLRotaryEmbedding(config=config)
+        self.norm = RMSNorm(
+            config.hidden_size,
+            eps=config.rms_norm_eps,
+            cast_x_before_out_mul=True,
+            force_native=True,
+        )
         self.has_sliding_layers = "sliding_attention" in self.config.layer_types
 
         self.gradient_checkpointing = False
@@ -430,12 +548,10 @@ class Qwen2_5_VLTextModel(nn.Module):
 
         # It may already have been prepared by e.g. `generate`
         if not isinstance(causal_mask_mapping := attention_mask, dict):
-            # Prepare mask arguments
             mask_kwargs = {
                 "config": self.config,
-                "input_embeds": inputs_embeds,
+                "inputs_embeds": inputs_embeds,
                 "attention_mask": attention_mask,
-                "cache_position": cache_position,
                 "past_key_values": past_key_values,
                 "position_ids": text_position_ids,
             }
@@ -449,10 +565,20 @@ class Qwen2_5_VLTextModel(nn.Module):
                     create_sliding_window_causal_mask(**mask_kwargs)
                 )
 
-        hidden_states = inputs_embeds
+            # create_causal_mask returns None for this _attn_implementation, so
+            # build the causal+padding mask here. LongCat-only.
+            if (
+                self.honor_cache_free_padding_mask
+                and causal_mask_mapping["full_attention"] is None
+                and isinstance(attention_mask, torch.Tensor)
+                and attention_mask.dim() == 2
+                and not bool(attention_mask.all())
+            ):
+                causal_mask_mapping["full_attention"] = _build_causal_padding_mask(
+                    attention_mask, inputs_embeds
+                )
 
-        # create position embeddings to be shared across the decoder layers
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states = inputs_embeds
 
         # decoder layers
         all_hidden_states = () if output_hidden_states else None
@@ -465,12 +591,11 @@ class Qwen2_5_VLTextModel(nn.Module):
             hidden_states = decoder_layer(
                 hidden_states,
                 attention_mask=causal_mask_mapping[decoder_layer.attention_type],
-                position_ids=text_position_ids,
+                position_ids=position_ids,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
                 use_cache=use_cache,
                 cache_position=cache_position,
-                position_embeddings=position_embeddings,
                 **kwargs,
             )
 
@@ -499,38 +624,23 @@ class Qwen2_5_VLTextModel(nn.Module):
         )
 
 
-class Qwen2_5_VLModel(nn.Module):
+class Qwen2_5_VLModel(QwenVLModelBase):
     base_model_prefix = ""
     _checkpoint_conversion_mapping = {"^model": "language_model"}
     # Reference: fix gemma3 grad acc #37208
     accepts_loss_kwargs = False
-    _no_split_modules = ["Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"]
+    _no_split_modules = ["Qwen2_5_VLDecoderLayer", "Qwen2_5VLVisionBlock"]
 
     def __init__(self, config, enable_image_understanding: bool = False):
         super().__init__()
         self.language_model = Qwen2_5_VLTextModel(config.text_config)
 
         if enable_image_understanding:
-            self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-                config.vision_config
-            )
-            self.visual.to(torch.get_default_dtype())
+            self.visual = Qwen2_5VLVisionTransformer(config.vision_config)
         self.rope_deltas = None  # cache rope_deltas here
         self.config = config
         # Initialize weights and apply final processing
         # self.post_init()
-
-    def get_input_embeddings(self):
-        return self.language_model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.language_model.embed_tokens = value
-
-    def set_decoder(self, decoder):
-        self.language_model = decoder
-
-    def get_decoder(self):
-        return self.language_model
 
     def get_rope_index(
         self,
@@ -734,31 +844,7 @@ class Qwen2_5_VLModel(nn.Module):
             ).unsqueeze(1)
             return position_ids, mrope_position_deltas
         else:
-            if attention_mask is not None:
-                position_ids = attention_mask.long().cumsum(-1) - 1
-                position_ids.masked_fill_(attention_mask == 0, 1)
-                position_ids = (
-                    position_ids.unsqueeze(0)
-                    .expand(3, -1, -1)
-                    .to(attention_mask.device)
-                )
-                max_position_ids = position_ids.max(0, keepdim=False)[0].max(
-                    -1, keepdim=True
-                )[0]
-                mrope_position_deltas = max_position_ids + 1 - attention_mask.shape[-1]
-            else:
-                position_ids = (
-                    torch.arange(input_ids.shape[1], device=input_ids.device)
-                    .view(1, 1, -1)
-                    .expand(3, input_ids.shape[0], -1)
-                )
-                mrope_position_deltas = torch.zeros(
-                    [input_ids.shape[0], 1],
-                    device=input_ids.device,
-                    dtype=input_ids.dtype,
-                )
-
-            return position_ids, mrope_position_deltas
+            return self._get_text_rope_index(input_ids, attention_mask)
 
     def get_video_features(
         self,
@@ -782,6 +868,7 @@ class Qwen2_5_VLModel(nn.Module):
         video_embeds = torch.split(video_embeds, split_sizes)
         return video_embeds
 
+    @cached_conditioning
     def get_image_features(
         self,
         pixel_values: torch.FloatTensor,
@@ -803,68 +890,6 @@ class Qwen2_5_VLModel(nn.Module):
         ).tolist()
         image_embeds = torch.split(image_embeds, split_sizes)
         return image_embeds
-
-    def get_placeholder_mask(
-        self,
-        input_ids: torch.LongTensor,
-        inputs_embeds: torch.FloatTensor,
-        image_features: torch.FloatTensor = None,
-        video_features: torch.FloatTensor = None,
-    ):
-        """
-        Obtains multimodal placeholder mask from `input_ids` or `inputs_embeds`, and checks that the placeholder token count is
-        equal to the length of multimodal features. If the lengths are different, an error is raised.
-        """
-        if input_ids is None:
-            special_image_mask = inputs_embeds == self.get_input_embeddings()(
-                torch.tensor(
-                    self.config.image_token_id,
-                    dtype=torch.long,
-                    device=inputs_embeds.device,
-                )
-            )
-            special_image_mask = special_image_mask.all(-1)
-            special_video_mask = inputs_embeds == self.get_input_embeddings()(
-                torch.tensor(
-                    self.config.video_token_id,
-                    dtype=torch.long,
-                    device=inputs_embeds.device,
-                )
-            )
-            special_video_mask = special_video_mask.all(-1)
-        else:
-            special_image_mask = input_ids == self.config.image_token_id
-            special_video_mask = input_ids == self.config.video_token_id
-
-        n_image_tokens = special_image_mask.sum()
-        special_image_mask = (
-            special_image_mask.unsqueeze(-1)
-            .expand_as(inputs_embeds)
-            .to(inputs_embeds.device)
-        )
-        if (
-            image_features is not None
-            and inputs_embeds[special_image_mask].numel() != image_features.numel()
-        ):
-            raise ValueError(
-                f"Image features and image tokens do not match: tokens: {n_image_tokens}, features {image_features.shape[0]}"
-            )
-
-        n_video_tokens = special_video_mask.sum()
-        special_video_mask = (
-            special_video_mask.unsqueeze(-1)
-            .expand_as(inputs_embeds)
-            .to(inputs_embeds.device)
-        )
-        if (
-            video_features is not None
-            and inputs_embeds[special_video_mask].numel() != video_features.numel()
-        ):
-            raise ValueError(
-                f"Videos features and video tokens do not match: tokens: {n_video_tokens}, features {video_features.shape[0]}"
-            )
-
-        return special_image_mask, special_video_mask
 
     def forward(
         self,
@@ -960,18 +985,17 @@ class Qwen2_5_VLModel(nn.Module):
                 self.rope_deltas = rope_deltas
             else:
                 batch_size, seq_length, _ = inputs_embeds.shape
-                position_ids = torch.arange(seq_length, device=inputs_embeds.device)
-                position_ids = position_ids.view(1, 1, -1).expand(3, batch_size, -1)
                 if cache_position is not None:
                     delta = (cache_position[0] + self.rope_deltas).to(
                         inputs_embeds.device
                     )
                 else:
-                    delta = torch.zeros(
-                        (batch_size, seq_length), device=inputs_embeds.device
-                    )
-                delta = delta.repeat_interleave(batch_size // delta.shape[0], dim=1)
-                position_ids += delta.to(position_ids.device)
+                    delta = torch.zeros(batch_size, 1, device=inputs_embeds.device)
+                position_ids = (
+                    (torch.arange(seq_length, device=inputs_embeds.device) + delta)
+                    .unsqueeze(0)
+                    .expand(3, -1, -1)
+                )
 
         outputs = self.language_model(
             input_ids=None,
@@ -998,6 +1022,9 @@ class Qwen2_5_VLModel(nn.Module):
 
 
 class Qwen2_5_VLForConditionalGeneration(TextEncoder):
+    layer_names = [*TextEncoder.layer_names, "model.visual.blocks"]
+    _fsdp_forward_methods = ("generate",)
+
     # BitandBytes specific attributes
     default_bitsandbytes_target_modules = [
         ".gate_up_proj.",
@@ -1024,7 +1051,13 @@ class Qwen2_5_VLForConditionalGeneration(TextEncoder):
     ) -> None:
         super().__init__(config)
         enable_image_understanding = config.enable_image_understanding
+        generation_config = config.generation_config
+        # LongCat-only; propagate to the text config (see TextEncoderLoader).
+        honor_cache_free_padding_mask = getattr(
+            config, "honor_cache_free_padding_mask", False
+        )
         config = config.arch_config
+        config.text_config.honor_cache_free_padding_mask = honor_cache_free_padding_mask
         self.model = Qwen2_5_VLModel(
             config, enable_image_understanding=enable_image_understanding
         )
@@ -1033,6 +1066,7 @@ class Qwen2_5_VLForConditionalGeneration(TextEncoder):
         )
 
         self.enable_image_understanding = enable_image_understanding
+        self.generation_config = generation_config
 
         self.config = config
 
@@ -1117,6 +1151,154 @@ class Qwen2_5_VLForConditionalGeneration(TextEncoder):
             rope_deltas=outputs.rope_deltas,
         )
 
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        *,
+        max_new_tokens: int,
+        pixel_values: Optional[torch.Tensor] = None,
+        pixel_values_videos: Optional[torch.FloatTensor] = None,
+        image_grid_thw: Optional[torch.LongTensor] = None,
+        video_grid_thw: Optional[torch.LongTensor] = None,
+        second_per_grid_ts: Optional[torch.Tensor] = None,
+        mm_token_type_ids: Optional[torch.IntTensor] = None,
+        do_sample: Optional[bool] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        repetition_penalty: Optional[float] = None,
+        eos_token_id: Optional[Union[int, list[int]]] = None,
+        pad_token_id: Optional[int] = None,
+    ) -> torch.LongTensor:
+        """Generate tokens with Qwen2.5-VL's native decoder and KV cache."""
+        # Transformers 5 processors emit this field. The Qwen2.5-VL checkpoint
+        # derives modality positions from image/video placeholder token IDs.
+        del mm_token_type_ids
+
+        if input_ids.ndim != 2:
+            raise ValueError("input_ids must have shape [batch_size, sequence_length]")
+        if max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be non-negative")
+        if max_new_tokens == 0:
+            return input_ids
+
+        generation_config = self.generation_config
+        do_sample = (
+            generation_config.get("do_sample", False)
+            if do_sample is None
+            else do_sample
+        )
+        temperature = (
+            generation_config.get("temperature", 1.0)
+            if temperature is None
+            else temperature
+        )
+        top_k = generation_config.get("top_k", 0) if top_k is None else top_k
+        top_p = generation_config.get("top_p", 1.0) if top_p is None else top_p
+        repetition_penalty = (
+            generation_config.get("repetition_penalty", 1.0)
+            if repetition_penalty is None
+            else repetition_penalty
+        )
+        eos_token_id = (
+            generation_config.get("eos_token_id", self.config.eos_token_id)
+            if eos_token_id is None
+            else eos_token_id
+        )
+        pad_token_id = (
+            generation_config.get("pad_token_id", self.config.pad_token_id)
+            if pad_token_id is None
+            else pad_token_id
+        )
+
+        if do_sample and temperature <= 0:
+            raise ValueError("temperature must be positive when sampling")
+        if top_k < 0:
+            raise ValueError("top_k must be non-negative")
+        if not 0 < top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be positive")
+
+        eos_token_ids = (
+            []
+            if eos_token_id is None
+            else [eos_token_id]
+            if isinstance(eos_token_id, int)
+            else list(eos_token_id)
+        )
+        if pad_token_id is None:
+            raise ValueError("pad_token_id must be set for generation")
+        eos_tokens = torch.tensor(
+            eos_token_ids, dtype=input_ids.dtype, device=input_ids.device
+        )
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+
+        generated_ids = input_ids
+        unfinished = torch.ones(
+            input_ids.shape[0], dtype=torch.bool, device=input_ids.device
+        )
+        past_key_values = None
+        model_input_ids = input_ids
+        cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
+        self.model.rope_deltas = None
+
+        for _ in range(max_new_tokens):
+            outputs = self(
+                input_ids=model_input_ids,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                use_cache=True,
+                cache_position=cache_position,
+                pixel_values=pixel_values,
+                pixel_values_videos=pixel_values_videos,
+                image_grid_thw=image_grid_thw,
+                video_grid_thw=video_grid_thw,
+                second_per_grid_ts=second_per_grid_ts,
+                logits_to_keep=1,
+            )
+            next_tokens = _select_next_token(
+                outputs.logits[:, -1, :],
+                generated_ids,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                repetition_penalty=repetition_penalty,
+            )
+            next_tokens = torch.where(
+                unfinished,
+                next_tokens,
+                torch.full_like(next_tokens, pad_token_id),
+            )
+            generated_ids = torch.cat([generated_ids, next_tokens[:, None]], dim=-1)
+
+            if eos_tokens.numel() > 0:
+                reached_eos = (next_tokens[:, None] == eos_tokens[None, :]).any(dim=-1)
+                unfinished = unfinished & ~reached_eos
+                if not unfinished.any():
+                    break
+
+            past_key_values = outputs.past_key_values
+            model_input_ids = next_tokens[:, None]
+            attention_mask = torch.cat(
+                [attention_mask, attention_mask.new_ones((input_ids.shape[0], 1))],
+                dim=-1,
+            )
+            cache_position = torch.tensor(
+                [generated_ids.shape[1] - 1], device=input_ids.device
+            )
+            pixel_values = None
+            pixel_values_videos = None
+            image_grid_thw = None
+            video_grid_thw = None
+            second_per_grid_ts = None
+
+        return generated_ids
+
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]):
         loaded_params: set[str] = set()
 
@@ -1130,13 +1312,30 @@ class Qwen2_5_VLForConditionalGeneration(TextEncoder):
                 if not self.enable_image_understanding:
                     continue
                 name = name.replace("visual.", "model.visual.")
-            try:
-                # Skip loading extra bias for GPTQ models.
-                if name.endswith(".bias") and name not in params_dict:
+                name = name.replace(".attn.qkv.", ".attn.qkv_proj.")
+
+                loaded_stacked_param = False
+                for weight_name, shard_id in (
+                    (".gate_proj.", 0),
+                    (".up_proj.", 1),
+                ):
+                    if weight_name not in name:
+                        continue
+                    fused_name = name.replace(weight_name, ".gate_up_proj.")
+                    if fused_name not in params_dict:
+                        continue
+                    param = params_dict[fused_name]
+                    loaded_weight = loaded_weight.to(param.dtype)
+                    param.weight_loader(param, loaded_weight, shard_id)
+                    loaded_params.add(fused_name)
+                    loaded_stacked_param = True
+                    break
+                if loaded_stacked_param:
                     continue
-                param = params_dict[name]
-            except KeyError:
-                raise
+            # Skip loading extra bias for GPTQ models.
+            if name.endswith(".bias") and name not in params_dict:
+                continue
+            param = params_dict[name]
 
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
             loaded_weight = loaded_weight.to(param.dtype)

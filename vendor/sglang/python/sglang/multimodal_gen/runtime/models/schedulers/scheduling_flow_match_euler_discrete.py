@@ -22,16 +22,19 @@
 # ==============================================================================
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
-import scipy.stats
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 from diffusers.utils import BaseOutput
+from diffusers.utils.torch_utils import randn_tensor
 
 from sglang.multimodal_gen.runtime.models.schedulers.base import BaseScheduler
+from sglang.multimodal_gen.runtime.models.schedulers.sigma_schedule import (
+    SigmaScheduleMixin,
+)
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
 
 logger = init_logger(__name__)
@@ -51,7 +54,9 @@ class FlowMatchEulerDiscreteSchedulerOutput(BaseOutput):
     prev_sample: torch.FloatTensor
 
 
-class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler):
+class FlowMatchEulerDiscreteScheduler(
+    SchedulerMixin, ConfigMixin, BaseScheduler, SigmaScheduleMixin
+):
     """
     Euler scheduler.
 
@@ -85,6 +90,9 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
             Whether to use exponential sigmas for step sizes in the noise schedule during sampling.
         use_beta_sigmas (`bool`, defaults to False):
             Whether to use beta sigmas for step sizes in the noise schedule during sampling.
+        use_uniform_sigmas (`bool`, defaults to False):
+            Whether to use a uniform pre-shift sigma grid that excludes the terminal zero. The terminal zero is
+            appended after shifting.
         time_shift_type (`str`, defaults to "exponential"):
             The type of dynamic resolution-dependent timestep shifting to apply. Either "exponential" or "linear".
         stochastic_sampling (`bool`, defaults to False):
@@ -109,6 +117,7 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
         use_karras_sigmas: bool | None = False,
         use_exponential_sigmas: bool | None = False,
         use_beta_sigmas: bool | None = False,
+        use_uniform_sigmas: bool | None = False,
         time_shift_type: str = "exponential",
         stochastic_sampling: bool = False,
     ):
@@ -118,12 +127,14 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
                     self.config.use_beta_sigmas,
                     self.config.use_exponential_sigmas,
                     self.config.use_karras_sigmas,
+                    self.config.use_uniform_sigmas,
                 ]
             )
             > 1
         ):
             raise ValueError(
-                "Only one of `config.use_beta_sigmas`, `config.use_exponential_sigmas`, `config.use_karras_sigmas` can be used."
+                "Only one of `config.use_beta_sigmas`, `config.use_exponential_sigmas`, "
+                "`config.use_karras_sigmas`, `config.use_uniform_sigmas` can be used."
             )
         if time_shift_type not in {"exponential", "linear"}:
             raise ValueError(
@@ -261,6 +272,8 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
         """
         one_minus_z = 1 - t
         scale_factor = one_minus_z[-1] / (1 - self.config.shift_terminal)
+        if scale_factor == 0:
+            return t
         stretched_t = 1 - (one_minus_z / scale_factor)
         return stretched_t
 
@@ -332,13 +345,18 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
 
         sigmas_array: np.ndarray
         if sigmas is None:
-            if timesteps_array is None:
-                timesteps_array = np.linspace(
-                    self._sigma_to_t(self.sigma_max),
-                    self._sigma_to_t(self.sigma_min),
-                    num_inference_steps,
-                )
-            sigmas_array = timesteps_array / self.config.num_train_timesteps
+            if timesteps_array is None and self.config.use_uniform_sigmas:
+                sigmas_array = np.linspace(
+                    1.0, 0.0, num_inference_steps + 1, dtype=np.float32
+                )[:-1]
+            else:
+                if timesteps_array is None:
+                    timesteps_array = np.linspace(
+                        self._sigma_to_t(self.sigma_max),
+                        self._sigma_to_t(self.sigma_min),
+                        num_inference_steps,
+                    )
+                sigmas_array = timesteps_array / self.config.num_train_timesteps
         else:
             sigmas_array = np.array(sigmas).astype(np.float32)
             num_inference_steps = len(sigmas_array)
@@ -362,22 +380,19 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
         # 4. If required, convert sigmas to one of karras, exponential, or beta sigma schedules
         if self.config.use_karras_sigmas:
             sigmas_tensor = torch.from_numpy(sigmas_array).to(dtype=torch.float32)
-            sigmas_tensor = self._convert_to_karras(
+            sigmas_array = self._convert_to_karras(
                 in_sigmas=sigmas_tensor, num_inference_steps=num_inference_steps
             )
-            sigmas_array = sigmas_tensor.numpy()
         elif self.config.use_exponential_sigmas:
             sigmas_tensor = torch.from_numpy(sigmas_array).to(dtype=torch.float32)
-            sigmas_tensor = self._convert_to_exponential(
+            sigmas_array = self._convert_to_exponential(
                 in_sigmas=sigmas_tensor, num_inference_steps=num_inference_steps
             )
-            sigmas_array = sigmas_tensor.numpy()
         elif self.config.use_beta_sigmas:
             sigmas_tensor = torch.from_numpy(sigmas_array).to(dtype=torch.float32)
-            sigmas_tensor = self._convert_to_beta(
+            sigmas_array = self._convert_to_beta(
                 in_sigmas=sigmas_tensor, num_inference_steps=num_inference_steps
             )
-            sigmas_array = sigmas_tensor.numpy()
 
         # 5. Convert sigmas and timesteps to tensors and move to specified device
         sigmas_tensor = torch.from_numpy(sigmas_array).to(
@@ -445,8 +460,9 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
         s_tmin: float = 0.0,
         s_tmax: float = float("inf"),
         s_noise: float = 1.0,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
         per_token_timesteps: torch.Tensor | None = None,
+        transition: Callable[..., torch.FloatTensor] | None = None,
         return_dict: bool = True,
     ) -> FlowMatchEulerDiscreteSchedulerOutput | tuple[torch.FloatTensor, ...]:
         """
@@ -465,10 +481,14 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
             s_tmax  (`float`):
             s_noise (`float`, defaults to 1.0):
                 Scaling factor for noise added to the sample.
-            generator (`torch.Generator`, *optional*):
-                A random number generator.
+            generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
+                A random number generator, or one generator per batch item.
             per_token_timesteps (`torch.Tensor`, *optional*):
                 The timesteps for each token in the sample.
+            transition (`Callable`, *optional*):
+                Replaces this scheduler's own `_transition` for this call, with the
+                same keyword arguments; rollout passes
+                `FlowRolloutController.transition` here.
             return_dict (`bool`):
                 Whether or not to return a
                 [`~schedulers.scheduling_flow_match_euler_discrete.FlowMatchEulerDiscreteSchedulerOutput`] or tuple.
@@ -516,12 +536,18 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
             next_sigma = sigma_next
             dt = sigma_next - sigma
 
-        if self.config.stochastic_sampling:
-            x0 = sample - current_sigma * model_output
-            noise = torch.randn_like(sample)
-            prev_sample = (1.0 - next_sigma) * x0 + next_sigma * noise
-        else:
-            prev_sample = sample + dt * model_output
+        if transition is None:
+            transition = self._transition
+        prev_sample = transition(
+            model_output=model_output,
+            sample=sample,
+            current_sigma=current_sigma,
+            next_sigma=next_sigma,
+            dt=dt,
+            generator=generator,
+            step_index=self.step_index,
+            timestep=timestep,
+        )
 
         # upon completion increase step index by one
         assert self._step_index is not None, "_step_index should not be None"
@@ -535,95 +561,32 @@ class FlowMatchEulerDiscreteScheduler(SchedulerMixin, ConfigMixin, BaseScheduler
 
         return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=prev_sample)
 
-    # Copied from diffusers.schedulers.scheduling_euler_discrete.EulerDiscreteScheduler._convert_to_karras
-    def _convert_to_karras(
-        self, in_sigmas: torch.Tensor, num_inference_steps: int
-    ) -> torch.Tensor:
-        """Constructs the noise schedule of Karras et al. (2022)."""
-
-        # Hack to make sure that other schedulers which copy this function don't break
-        # TODO: Add this logic to the other schedulers
-        if hasattr(self.config, "sigma_min"):
-            sigma_min = self.config.sigma_min
-        else:
-            sigma_min = None
-
-        if hasattr(self.config, "sigma_max"):
-            sigma_max = self.config.sigma_max
-        else:
-            sigma_max = None
-
-        sigma_min = sigma_min if sigma_min is not None else in_sigmas[-1].item()
-        sigma_max = sigma_max if sigma_max is not None else in_sigmas[0].item()
-
-        rho = 7.0  # 7.0 is the value used in the paper
-        ramp = np.linspace(0, 1, num_inference_steps)
-        min_inv_rho = sigma_min ** (1 / rho)
-        max_inv_rho = sigma_max ** (1 / rho)
-        sigmas = (max_inv_rho + ramp * (min_inv_rho - max_inv_rho)) ** rho
-        return sigmas
-
-    # Copied from diffusers.schedulers.scheduling_euler_discrete.EulerDiscreteScheduler._convert_to_exponential
-    def _convert_to_exponential(
-        self, in_sigmas: torch.Tensor, num_inference_steps: int
-    ) -> torch.Tensor:
-        """Constructs an exponential noise schedule."""
-
-        # Hack to make sure that other schedulers which copy this function don't break
-        # TODO: Add this logic to the other schedulers
-        if hasattr(self.config, "sigma_min"):
-            sigma_min = self.config.sigma_min
-        else:
-            sigma_min = None
-
-        if hasattr(self.config, "sigma_max"):
-            sigma_max = self.config.sigma_max
-        else:
-            sigma_max = None
-
-        sigma_min = sigma_min if sigma_min is not None else in_sigmas[-1].item()
-        sigma_max = sigma_max if sigma_max is not None else in_sigmas[0].item()
-
-        sigmas = np.exp(
-            np.linspace(math.log(sigma_max), math.log(sigma_min), num_inference_steps)
-        )
-        return sigmas
-
-    # Copied from diffusers.schedulers.scheduling_euler_discrete.EulerDiscreteScheduler._convert_to_beta
-    def _convert_to_beta(
+    # Old ODE transition: the scheduler's own Euler update (or its stochastic_sampling step),
+    # used when step() is not given a transition.
+    def _transition(
         self,
-        in_sigmas: torch.Tensor,
-        num_inference_steps: int,
-        alpha: float = 0.6,
-        beta: float = 0.6,
-    ) -> torch.Tensor:
-        """From "Beta Sampling is All You Need" [arXiv:2407.12173] (Lee et. al, 2024)"""
-
-        # Hack to make sure that other schedulers which copy this function don't break
-        # TODO: Add this logic to the other schedulers
-        if hasattr(self.config, "sigma_min"):
-            sigma_min = self.config.sigma_min
+        *,
+        model_output: torch.FloatTensor,
+        sample: torch.FloatTensor,
+        current_sigma: torch.FloatTensor,
+        next_sigma: torch.FloatTensor,
+        dt: torch.FloatTensor,
+        generator: torch.Generator | list[torch.Generator] | None,
+        step_index: int,
+        timestep: int | torch.Tensor,
+    ) -> torch.FloatTensor:
+        if self.config.stochastic_sampling:
+            x0 = sample - current_sigma * model_output
+            noise = randn_tensor(
+                sample.shape,
+                generator=generator,
+                device=sample.device,
+                dtype=sample.dtype,
+            )
+            prev_sample = (1.0 - next_sigma) * x0 + next_sigma * noise
         else:
-            sigma_min = None
-
-        if hasattr(self.config, "sigma_max"):
-            sigma_max = self.config.sigma_max
-        else:
-            sigma_max = None
-
-        sigma_min = sigma_min if sigma_min is not None else in_sigmas[-1].item()
-        sigma_max = sigma_max if sigma_max is not None else in_sigmas[0].item()
-
-        sigmas = np.array(
-            [
-                sigma_min + (ppf * (sigma_max - sigma_min))
-                for ppf in [
-                    scipy.stats.beta.ppf(timestep, alpha, beta)
-                    for timestep in 1 - np.linspace(0, 1, num_inference_steps)
-                ]
-            ]
-        )
-        return sigmas
+            prev_sample = sample + dt * model_output
+        return prev_sample
 
     def _time_shift_exponential(
         self, mu: float, sigma: float, t: torch.Tensor | np.ndarray

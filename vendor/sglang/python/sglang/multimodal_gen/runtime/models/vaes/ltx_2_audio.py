@@ -10,6 +10,7 @@ from diffusers.models.modeling_outputs import AutoencoderKLOutput
 from torch import nn
 
 from sglang.multimodal_gen.configs.models.vaes.ltx_audio import LTXAudioVAEConfig
+from sglang.multimodal_gen.runtime.cache.conditioning import cached_vae_encode
 from sglang.multimodal_gen.runtime.models.vaes.common import ParallelTiledVAE
 
 LATENT_DOWNSAMPLE_FACTOR = 4
@@ -348,7 +349,6 @@ class LTX2AudioAudioPatchifier:
     ):
         self.hop_length = hop_length
         self.sample_rate = sample_rate
-        self.audio_latent_downsample_factor = audio_latent_downsample_factor
         self.is_causal = is_causal
         self._patch_size = (1, patch_size, patch_size)
 
@@ -412,7 +412,6 @@ class LTX2AudioEncoder(nn.Module):
 
         base_block_channels = base_channels
         base_resolution = resolution
-        self.z_shape = (1, latent_channels, base_resolution, base_resolution)
 
         if self.causality_axis is not None:
             self.conv_in = LTX2AudioCausalConv2d(
@@ -593,7 +592,6 @@ class LTX2AudioDecoder(nn.Module):
 
         base_block_channels = base_channels * self.channel_multipliers[-1]
         base_resolution = resolution // (2 ** (self.num_resolutions - 1))
-        self.z_shape = (1, latent_channels, base_resolution, base_resolution)
 
         if self.causality_axis is not None:
             self.conv_in = LTX2AudioCausalConv2d(
@@ -843,18 +841,32 @@ class AutoencoderKLLTX2Audio(ParallelTiledVAE):
 
         # Per-channel statistics for normalizing and denormalizing the latent representation. This statistics is computed over
         # the entire dataset and stored in model's checkpoint under AudioVAE state_dict
-        latents_std = torch.zeros((base_channels,))
-        latents_mean = torch.ones((base_channels,))
+        latents_std = torch.ones((base_channels,))
+        latents_mean = torch.zeros((base_channels,))
         self.register_buffer("latents_mean", latents_mean, persistent=True)
         self.register_buffer("latents_std", latents_std, persistent=True)
 
         # TODO: confirm whether the mel compression ratio below is correct
         self.mel_compression_ratio = LATENT_DOWNSAMPLE_FACTOR
         self.use_slicing = False
+        # stage containers are not called directly, so hooks attach to called lists
+        self.layer_names = [
+            layer_name
+            for prefix, num_resolutions in (
+                ("encoder.down", self.encoder.num_resolutions),
+                ("decoder.up", self.decoder.num_resolutions),
+            )
+            for level in range(num_resolutions)
+            for layer_name in (
+                f"{prefix}.{level}.block",
+                f"{prefix}.{level}.attn",
+            )
+        ]
 
     def _encode(self, x: torch.Tensor) -> torch.Tensor:
         return self.encoder(x)
 
+    @cached_vae_encode
     def encode(self, x: torch.Tensor, return_dict: bool = True):
         if self.use_slicing and x.shape[0] > 1:
             encoded_slices = [self._encode(x_slice) for x_slice in x.split(1)]

@@ -15,18 +15,15 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.causal_denoising import
 from sglang.multimodal_gen.runtime.pipelines_core.stages.comfyui_latent_preparation import (
     ComfyUILatentPreparationStage,
 )
+from sglang.multimodal_gen.runtime.pipelines_core.stages.condition_encoding import (
+    AuxiliaryConditionEncodingStage,
+    ConditionEncodingStage,
+)
 from sglang.multimodal_gen.runtime.pipelines_core.stages.decoding import DecodingStage
-from sglang.multimodal_gen.runtime.pipelines_core.stages.decoding_av import (
-    LTX2AVDecodingStage,
-)
 from sglang.multimodal_gen.runtime.pipelines_core.stages.denoising import DenoisingStage
-from sglang.multimodal_gen.runtime.pipelines_core.stages.denoising_av import (
-    LTX2AVDenoisingStage,
-)
 from sglang.multimodal_gen.runtime.pipelines_core.stages.denoising_dmd import (
     DmdDenoisingStage,
 )
-from sglang.multimodal_gen.runtime.pipelines_core.stages.encoding import EncodingStage
 from sglang.multimodal_gen.runtime.pipelines_core.stages.image_encoding import (
     ImageEncodingStage,
     ImageVAEEncodingStage,
@@ -37,35 +34,38 @@ from sglang.multimodal_gen.runtime.pipelines_core.stages.input_validation import
 from sglang.multimodal_gen.runtime.pipelines_core.stages.latent_preparation import (
     LatentPreparationStage,
 )
-from sglang.multimodal_gen.runtime.pipelines_core.stages.latent_preparation_av import (
-    LTX2AVLatentPreparationStage,
-)
-from sglang.multimodal_gen.runtime.pipelines_core.stages.text_connector import (
-    LTX2TextConnectorStage,
-)
 from sglang.multimodal_gen.runtime.pipelines_core.stages.text_encoding import (
     TextEncodingStage,
 )
 from sglang.multimodal_gen.runtime.pipelines_core.stages.timestep_preparation import (
+    DMDTimestepPreparationStage,
     TimestepPreparationStage,
+)
+from sglang.multimodal_gen.runtime.pipelines_core.stages.vla import (
+    VLAActionDenoisingStage,
+    VLAActionPostprocessStage,
+    VLAObservationPreprocessStage,
+    VLAPrefixEncodingStage,
 )
 
 __all__ = [
     "PipelineStage",
     "InputValidationStage",
     "TimestepPreparationStage",
+    "DMDTimestepPreparationStage",
     "LatentPreparationStage",
     "ComfyUILatentPreparationStage",
-    "LTX2AVLatentPreparationStage",
     "DenoisingStage",
     "DmdDenoisingStage",
-    "LTX2AVDenoisingStage",
     "CausalDMDDenoisingStage",
-    "EncodingStage",
+    "ConditionEncodingStage",
+    "AuxiliaryConditionEncodingStage",
     "DecodingStage",
-    "LTX2AVDecodingStage",
     "ImageEncodingStage",
     "ImageVAEEncodingStage",
     "TextEncodingStage",
-    "LTX2TextConnectorStage",
+    "VLAObservationPreprocessStage",
+    "VLAPrefixEncodingStage",
+    "VLAActionDenoisingStage",
+    "VLAActionPostprocessStage",
 ]

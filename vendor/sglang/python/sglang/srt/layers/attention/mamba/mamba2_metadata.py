@@ -1,3 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Copyright 2025 SGLang Team
 # Licensed under the Apache License, Version 2.0 (the "License");
 # you may not use this file except in compliance with the License.
@@ -27,6 +29,24 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 class ForwardMetadata:
     query_start_loc: torch.Tensor
     mamba_cache_indices: torch.Tensor
+    conv_block_table: Optional[torch.Tensor] = None
+    logical_num_tokens: Optional[int] = None
+    mamba_cache_indices_gdn: Optional[torch.Tensor] = None
+    # Mamba track DESTINATION slots (PHYSICAL, length == batch). Like
+    # mamba_cache_indices: a backend-owned static buffer under cuda-graph (translated
+    # in-place each replay), eager sets the translated decode tensor. The decode
+    # track-save reads THIS, never forward_batch.mamba_track_indices.
+    mamba_track_indices: Optional[torch.Tensor] = None
+    # GDN ReplaySSM (slice 1a): per-decode-row snapshot of the ring write
+    # cursor for THIS decode step (gathered from the persistent per-slot
+    # buffer, then advanced once for the next step). int32, length == batch.
+    replayssm_write_pos: Optional[torch.Tensor] = None
+    # GDN ReplaySSM (slice 2b): per-decode-row int32 flush flag for THIS decode
+    # step. !=0 forces the kernel to fold the partial ring + current token into
+    # the checkpoint (temporal[slot]) so the radix cache reads an up-to-date
+    # state. Fires on EXACTLY the rows the radix track snapshots, i.e. the same
+    # condition the track uses: seq_lens_cpu % mamba_track_interval == 0.
+    replayssm_force_flush: Optional[torch.Tensor] = None
     # For topk > 1 eagle
     retrieve_next_token: Optional[torch.Tensor] = None
     retrieve_next_sibling: Optional[torch.Tensor] = None
@@ -37,9 +57,32 @@ class ForwardMetadata:
     track_ssm_h_dst: Optional[torch.Tensor] = None
     track_ssm_final_src: Optional[torch.Tensor] = None
     track_ssm_final_dst: Optional[torch.Tensor] = None
+    track_chunk_idx: Optional[torch.Tensor] = None
+    # Batch rows of the chunk-unaligned tracked seqs; indexes the fp32
+    # h_track_buf snapshot (KDA path) with plain integer indexing, so the
+    # copy into the track slots does not nonzero()-sync the stream.
+    track_ssm_h_batch_src: Optional[torch.Tensor] = None
+    state_checkpoint_cu_starts: Optional[torch.Tensor] = None
+    num_state_checkpoints: int = 0
+    state_checkpoint_every_n_tokens: int = 0
+    state_checkpoint_indices: Optional[torch.Tensor] = None
+    track_ssm_seq_idx: Optional[torch.Tensor] = None
+    track_ssm_end_locs: Optional[torch.Tensor] = None
+    track_ssm_recompute_dst: Optional[torch.Tensor] = None
 
     is_target_verify: bool = False
     draft_token_num: int = 1
+
+    # KDA fused-accept: the [N, T] slot-indexed scratch rows and the per-request
+    # accept length that seed the verify kernel. Every KDA layer of a forward
+    # sees the same slots and draft window, so these are built once and shared:
+    # a cuda-graph capture then holds one build instead of one per layer.
+    fused_accept_state_indices: Optional[torch.Tensor] = None
+    fused_accept_num_accepted: Optional[torch.Tensor] = None
+
+    has_mamba_track_mask: bool = False
+    mamba_track_mask_indices: Optional[torch.Tensor] = None
+    conv_states_mask_indices: Optional[torch.Tensor] = None
 
 
 @dataclass(kw_only=True)
@@ -134,7 +177,6 @@ class Mamba2Metadata(ForwardMetadata):
 
         p = 0  # num of insertions
         for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-
             # if does not divide chunk_size, then there is one chunk insertion
             p += s % chunk_size > 0
 
@@ -161,9 +203,19 @@ class Mamba2Metadata(ForwardMetadata):
         return Mamba2Metadata(
             query_start_loc=forward_metadata.query_start_loc,
             mamba_cache_indices=forward_metadata.mamba_cache_indices,
+            mamba_track_indices=forward_metadata.mamba_track_indices,
             retrieve_next_token=forward_metadata.retrieve_next_token,
             retrieve_next_sibling=forward_metadata.retrieve_next_sibling,
             retrieve_parent_token=forward_metadata.retrieve_parent_token,
+            track_conv_indices=forward_metadata.track_conv_indices,
+            track_ssm_h_src=forward_metadata.track_ssm_h_src,
+            track_ssm_h_dst=forward_metadata.track_ssm_h_dst,
+            track_ssm_final_src=forward_metadata.track_ssm_final_src,
+            track_ssm_final_dst=forward_metadata.track_ssm_final_dst,
+            track_ssm_seq_idx=forward_metadata.track_ssm_seq_idx,
+            track_ssm_end_locs=forward_metadata.track_ssm_end_locs,
+            track_ssm_recompute_dst=forward_metadata.track_ssm_recompute_dst,
+            has_mamba_track_mask=forward_metadata.has_mamba_track_mask,
             num_decodes=len(seq_lens),
             num_prefills=0,
             num_prefill_tokens=0,
@@ -179,7 +231,10 @@ class Mamba2Metadata(ForwardMetadata):
         forward_batch: ForwardBatch,
     ) -> "Mamba2Metadata":
         """This path cannot run with CUDA graph, as it contains extend requests."""
-        if forward_batch.extend_num_tokens is None:
+        if (
+            forward_batch.extend_num_tokens is None
+            or forward_batch.logical_forward_mode.is_decode()
+        ):
             draft_token_num = (
                 forward_batch.spec_info.draft_token_num
                 if forward_batch.spec_info is not None
@@ -191,22 +246,31 @@ class Mamba2Metadata(ForwardMetadata):
                 is_target_verify=forward_batch.forward_mode.is_target_verify(),
                 draft_token_num=draft_token_num,
             )
-        num_prefills = len(forward_batch.extend_seq_lens)
-        num_prefill_tokens = forward_batch.extend_num_tokens
+        extend_seq_lens_cpu = forward_batch.extend_seq_lens_cpu
+        if extend_seq_lens_cpu is None:
+            num_prefills = len(forward_batch.extend_seq_lens)
+        else:
+            num_prefills = len(extend_seq_lens_cpu)
+        if extend_seq_lens_cpu is not None:
+            num_prefill_tokens = int(sum(extend_seq_lens_cpu))
+        else:
+            num_prefill_tokens = int(forward_batch.extend_num_tokens)
         num_decodes = len(forward_batch.seq_lens) - num_prefills
         context_lens_tensor = forward_batch.extend_prefix_lens
         assert context_lens_tensor is not None
-        # precompute flag to avoid device syncs later
         has_initial_states = context_lens_tensor > 0
         prep_initial_states = torch.any(has_initial_states[:num_prefills]).item()
 
         query_start_loc = forward_metadata.query_start_loc[: num_prefills + 1]
+        _seq_idx_output_size = (
+            num_prefill_tokens if extend_seq_lens_cpu is not None else None
+        )
         seq_idx = torch.repeat_interleave(
             torch.arange(
                 num_prefills, dtype=torch.int32, device=query_start_loc.device
             ),
             query_start_loc.diff(),
-            output_size=num_prefill_tokens,
+            output_size=_seq_idx_output_size,
         )
         seq_idx.unsqueeze_(0)
 
@@ -226,12 +290,34 @@ class Mamba2Metadata(ForwardMetadata):
             if forward_batch.spec_info is not None
             else 1
         )
+        # Resolve the tracked-row selection once per forward
+        mamba_track_mask_indices = None
+        conv_states_mask_indices = None
+        if forward_metadata.has_mamba_track_mask:
+            mamba_track_mask_indices = forward_batch.mamba_track_mask.nonzero(
+                as_tuple=True
+            )[0]
+            conv_states_mask_indices = forward_batch.mamba_track_indices[
+                mamba_track_mask_indices
+            ]
         return Mamba2Metadata(
             query_start_loc=query_start_loc,
             mamba_cache_indices=forward_metadata.mamba_cache_indices,
+            mamba_track_indices=forward_metadata.mamba_track_indices,
             retrieve_next_token=forward_metadata.retrieve_next_token,
             retrieve_next_sibling=forward_metadata.retrieve_next_sibling,
             retrieve_parent_token=forward_metadata.retrieve_parent_token,
+            track_conv_indices=forward_metadata.track_conv_indices,
+            track_ssm_h_src=forward_metadata.track_ssm_h_src,
+            track_ssm_h_dst=forward_metadata.track_ssm_h_dst,
+            track_ssm_final_src=forward_metadata.track_ssm_final_src,
+            track_ssm_final_dst=forward_metadata.track_ssm_final_dst,
+            track_ssm_seq_idx=forward_metadata.track_ssm_seq_idx,
+            track_ssm_end_locs=forward_metadata.track_ssm_end_locs,
+            track_ssm_recompute_dst=forward_metadata.track_ssm_recompute_dst,
+            has_mamba_track_mask=forward_metadata.has_mamba_track_mask,
+            mamba_track_mask_indices=mamba_track_mask_indices,
+            conv_states_mask_indices=conv_states_mask_indices,
             num_prefills=num_prefills,
             num_prefill_tokens=num_prefill_tokens,
             num_decodes=num_decodes,
@@ -244,6 +330,6 @@ class Mamba2Metadata(ForwardMetadata):
                 seq_idx=seq_idx,
                 chunk_indices=chunk_indices,
                 chunk_offsets=chunk_offsets,
-                extend_seq_lens_cpu=forward_batch.extend_seq_lens_cpu,
+                extend_seq_lens_cpu=extend_seq_lens_cpu,
             ),
         )

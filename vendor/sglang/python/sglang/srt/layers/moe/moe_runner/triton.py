@@ -1,12 +1,9 @@
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
-import triton.language as tl
 
 from sglang.srt.layers.moe.moe_runner.base import (
     MoeQuantInfo,
@@ -19,7 +16,7 @@ from sglang.srt.layers.moe.moe_runner.base import (
     register_pre_permute,
 )
 from sglang.srt.layers.moe.utils import MoeRunnerBackend
-from sglang.srt.utils import cpu_has_amx_support, is_cpu, is_cuda, is_hip, is_xpu
+from sglang.srt.utils import is_cuda, is_gfx95_supported, is_hip
 
 if TYPE_CHECKING:
     from sglang.srt.layers.moe.token_dispatcher.standard import (
@@ -28,50 +25,8 @@ if TYPE_CHECKING:
     )
 
 
-_is_hip = is_hip()
-_is_cuda = is_cuda()
-_is_cpu_amx_available = cpu_has_amx_support()
-_is_cpu = is_cpu()
-_use_aiter = bool(int(os.getenv("SGLANG_USE_AITER", "0")))
-_is_xpu = is_xpu()
-_MOE_PADDING_SIZE = 128 if bool(int(os.getenv("SGLANG_MOE_PADDING", "0"))) else 0
-
-
-if _is_cuda or _is_hip:
-    from sgl_kernel import gelu_and_mul, silu_and_mul
-
-    if _is_hip:
-        _has_vllm = False
-        if _use_aiter:
-            try:
-                from aiter import moe_sum
-            except ImportError:
-                raise ImportError(
-                    "aiter is required when SGLANG_USE_AITER is set to True"
-                )
-        else:
-            try:
-                from vllm import _custom_ops as vllm_ops  # moe_sum
-
-                _has_vllm = True
-            except ImportError:
-                # Fallback: vllm not available, will use triton moe_sum
-                _has_vllm = False
-elif _is_cpu and _is_cpu_amx_available:
-    pass
-elif _is_xpu:
-    from sgl_kernel import moe_sum_reduce, silu_and_mul
-
-
-if _is_cuda or _is_hip or _is_xpu:
-    from sgl_kernel import (  # noqa: F401
-        moe_align_block_size as sgl_moe_align_block_size,
-    )
-
-
 @dataclass
 class TritonRunnerInput(RunnerInput):
-
     hidden_states: torch.Tensor
     topk_weights: torch.Tensor
     topk_ids: torch.Tensor
@@ -86,7 +41,6 @@ class TritonRunnerInput(RunnerInput):
 
 @dataclass
 class TritonRunnerOutput(RunnerOutput):
-
     hidden_states: torch.Tensor
 
     @property
@@ -100,6 +54,7 @@ class TritonMoeQuantInfo(MoeQuantInfo):
     w2_weight: torch.Tensor
     b13: Optional[torch.Tensor] = None
     b2: Optional[torch.Tensor] = None
+    use_mxfp8: bool = False
     use_fp8_w8a8: bool = False
     use_int8_w8a8: bool = False
     use_int8_w8a16: bool = False
@@ -112,10 +67,17 @@ class TritonMoeQuantInfo(MoeQuantInfo):
     a13_scale: Optional[torch.Tensor] = None
     a2_scale: Optional[torch.Tensor] = None
     block_shape: Optional[List[int]] = None
+    # w13 rows were permuted to interleave gate/up at load, so the activation
+    # must be applied by the fused up-GEMM epilogue (see fused_moe_kernel).
+    fuse_swiglu_interleaved: bool = False
+
+
+def _topk_ids_may_be_nonlocal(config: MoeRunnerConfig) -> bool:
+    # only expert parallelism can route a token to an expert this rank does not hold
+    return config.num_experts is None or config.num_experts != config.num_local_experts
 
 
 class TritonRunnerCore(MoeRunnerCore):
-
     def __init__(self, config: MoeRunnerConfig):
         super().__init__(config)
 
@@ -124,230 +86,95 @@ class TritonRunnerCore(MoeRunnerCore):
         runner_input: TritonRunnerInput,
         quant_info: TritonMoeQuantInfo,
         running_state: dict,
+        hooks: Optional[Any] = None,
     ) -> TritonRunnerOutput:
+        if quant_info.use_mxfp8 and is_hip() and is_gfx95_supported():
+            from sglang.kernels.ops.moe.mxfp8_moe_amd_gfx95 import (
+                fused_experts_mxfp8,
+            )
 
-        # TODO: move these functions to the triton runner
-        from sglang.srt.layers.moe.fused_moe_triton.fused_moe import (
-            _swiglu_gpt_oss_sigmoid_alpha,
-            _swiglu_silu_clamp_mul,
-            invoke_fused_moe_kernel,
-            moe_sum_reduce_torch_compile,
-            moe_sum_reduce_triton,
+            out = fused_experts_mxfp8(
+                runner_input.hidden_states,
+                quant_info.w13_weight,
+                quant_info.w2_weight,
+                runner_input.topk_weights,
+                runner_input.topk_ids,
+                quant_info.w13_scale,
+                quant_info.w2_scale,
+                b1=quant_info.b13,
+                b2=quant_info.b2,
+                activation=self.config.activation,
+                is_gated=self.config.is_gated,
+                no_combine=self.config.no_combine,
+                inplace=self.config.inplace,
+                apply_router_weight_on_input=self.config.apply_router_weight_on_input,
+                routed_scaling_factor=self.config.routed_scaling_factor,
+                gemm1_alpha=self.config.gemm1_alpha,
+                gemm1_limit=self.config.gemm1_clamp_limit,
+                swiglu_limit=self.config.swiglu_limit,
+                gate_up_interleaved=self.config.gate_up_interleaved,
+                sanitize_topk_ids=_topk_ids_may_be_nonlocal(self.config),
+            )
+            return TritonRunnerOutput(hidden_states=out)
+
+        if quant_info.use_mxfp8 and is_cuda():
+            raise NotImplementedError(
+                "Triton MoE runner does not support NVIDIA MXFP8; use "
+                "--moe-runner-backend deep_gemm (or flashinfer_trtllm/cutlass)."
+            )
+
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
+            _fused_moe_kernel_sequence,
         )
 
-        hidden_states = runner_input.hidden_states
-        topk_weights = runner_input.topk_weights
-        topk_ids = runner_input.topk_ids
-        sorted_token_ids = runner_input.sorted_token_ids
-        expert_ids = runner_input.expert_ids
-        num_tokens_post_padded = runner_input.num_tokens_post_padded
-
-        w13 = quant_info.w13_weight
-        w2 = quant_info.w2_weight
-        b13 = quant_info.b13
-        b2 = quant_info.b2
-        a13_scale = quant_info.a13_scale
-        a2_scale = quant_info.a2_scale
-        w13_scale = quant_info.w13_scale
-        w2_scale = quant_info.w2_scale
-        w13_zp = quant_info.w13_zp
-        w2_zp = quant_info.w2_zp
-        block_shape = quant_info.block_shape
-        per_channel_quant = quant_info.per_channel_quant
-        use_fp8_w8a8 = quant_info.use_fp8_w8a8
-        use_int8_w8a8 = quant_info.use_int8_w8a8
-        use_int8_w8a16 = quant_info.use_int8_w8a16
-        use_int4_w4a16 = quant_info.use_int4_w4a16
-
-        activation = self.config.activation
-        no_combine = self.config.no_combine
-        inplace = self.config.inplace
-        gemm1_alpha = self.config.gemm1_alpha
-        gemm1_limit = self.config.gemm1_clamp_limit
-        routed_scaling_factor = self.config.routed_scaling_factor
-        apply_router_weight_on_input = self.config.apply_router_weight_on_input
-
-        assert self.config.is_gated, "Only gated MoEs are supported for Triton runner"
-
-        M = hidden_states.shape[0]
-        E, N, _ = w13.shape
-        compute_type = (
-            tl.bfloat16 if hidden_states.dtype == torch.bfloat16 else tl.float16
+        filter_expert = (
+            self.config.num_experts is None
+            or self.config.num_experts != self.config.num_local_experts
         )
 
-        intermediate_cache1 = torch.empty(
-            (M, topk_ids.shape[1], N),
-            device=hidden_states.device,
-            dtype=hidden_states.dtype,
-        )
-
-        invoke_fused_moe_kernel(
-            hidden_states,
-            w13,
-            b13,
-            intermediate_cache1,
-            a13_scale,
-            w13_scale,
-            w13_zp,
-            topk_weights,
-            topk_ids,
-            sorted_token_ids,
-            expert_ids,
-            num_tokens_post_padded,
-            apply_router_weight_on_input,
-            topk_ids.shape[1],
+        out = _fused_moe_kernel_sequence(
+            runner_input.hidden_states,
+            quant_info.w13_weight,
+            quant_info.w2_weight,
+            runner_input.topk_weights,
+            runner_input.topk_ids,
+            runner_input.sorted_token_ids,
+            runner_input.expert_ids,
+            runner_input.num_tokens_post_padded,
             running_state["config"],
-            compute_type=compute_type,
-            use_fp8_w8a8=use_fp8_w8a8,
-            use_int8_w8a8=use_int8_w8a8,
-            use_int8_w8a16=use_int8_w8a16,
-            use_int4_w4a16=use_int4_w4a16,
-            per_channel_quant=per_channel_quant,
-            block_shape=block_shape,
+            running_state.get("down_config"),
+            running_state.get("down_moe_use_tma", False),
+            running_state.get("up_moe_use_tma", False),
+            b1=quant_info.b13,
+            b2=quant_info.b2,
+            use_fp8_w8a8=quant_info.use_fp8_w8a8,
+            use_int8_w8a8=quant_info.use_int8_w8a8,
+            use_int8_w8a16=quant_info.use_int8_w8a16,
+            use_int4_w4a16=quant_info.use_int4_w4a16,
+            per_channel_quant=quant_info.per_channel_quant,
+            w1_scale=quant_info.w13_scale,
+            w2_scale=quant_info.w2_scale,
+            w1_zp=quant_info.w13_zp,
+            w2_zp=quant_info.w2_zp,
+            a1_scale=quant_info.a13_scale,
+            a2_scale=quant_info.a2_scale,
+            block_shape=quant_info.block_shape,
+            activation=self.config.activation,
+            is_gated=self.config.is_gated,
+            no_combine=self.config.no_combine,
+            no_combine_keep_router_weight=self.config.no_combine_keep_router_weight,
+            inplace=self.config.inplace,
+            apply_router_weight_on_input=self.config.apply_router_weight_on_input,
+            routed_scaling_factor=self.config.routed_scaling_factor,
+            gemm1_alpha=self.config.gemm1_alpha,
+            gemm1_limit=self.config.gemm1_clamp_limit,
+            filter_expert=filter_expert,
+            hooks=hooks,
+            swiglu_limit=self.config.swiglu_limit,
+            fuse_swiglu_interleaved=quant_info.fuse_swiglu_interleaved,
         )
 
-        intermediate_cache2 = torch.empty(
-            (M * topk_ids.shape[1], N // 2),
-            device=hidden_states.device,
-            dtype=hidden_states.dtype,
-        )
-
-        if activation == "silu":
-            if gemm1_alpha is not None:
-                assert gemm1_limit is not None
-                intermediate_cache2 = _swiglu_gpt_oss_sigmoid_alpha(
-                    intermediate_cache1.view(-1, N), gemm1_alpha, gemm1_limit
-                )
-            elif gemm1_limit is not None:
-                intermediate_cache2 = _swiglu_silu_clamp_mul(
-                    intermediate_cache1.view(-1, N), gemm1_limit
-                )
-            elif _is_cuda or _is_hip or _is_xpu:
-                silu_and_mul(intermediate_cache1.view(-1, N), intermediate_cache2)
-            else:
-                vllm_ops.silu_and_mul(
-                    intermediate_cache2, intermediate_cache1.view(-1, N)
-                )
-        elif activation == "gelu":
-            assert gemm1_alpha is None, "gemm1_alpha is not supported for gelu"
-            assert gemm1_limit is None, "gemm1_limit is not supported for gelu"
-            if _is_cuda or _is_hip:
-                gelu_and_mul(intermediate_cache1.view(-1, N), intermediate_cache2)
-            else:
-                vllm_ops.gelu_and_mul(
-                    intermediate_cache2, intermediate_cache1.view(-1, N)
-                )
-        else:
-            raise ValueError(f"Unsupported activation: {activation=}")
-
-        intermediate_cache3 = torch.empty(
-            (M, topk_ids.shape[1], w2.shape[1]),
-            device=hidden_states.device,
-            dtype=hidden_states.dtype,
-        )
-
-        if no_combine:
-            assert not inplace
-            out_hidden_states = torch.empty(
-                (M, topk_ids.shape[1], w2.shape[1]),
-                device=hidden_states.device,
-                dtype=hidden_states.dtype,
-            )
-        elif inplace:
-            out_hidden_states = hidden_states
-        else:
-            out_hidden_states = torch.empty_like(hidden_states)
-
-        invoke_fused_moe_kernel(
-            intermediate_cache2,
-            w2,
-            b2,
-            (
-                intermediate_cache3
-                if not no_combine and topk_ids.shape[1] != 1
-                else out_hidden_states.unsqueeze(0)
-            ),
-            a2_scale,
-            w2_scale,
-            w2_zp,
-            topk_weights,
-            topk_ids,
-            sorted_token_ids,
-            expert_ids,
-            num_tokens_post_padded,
-            not apply_router_weight_on_input,
-            1,
-            running_state["config"],
-            compute_type=compute_type,
-            use_fp8_w8a8=use_fp8_w8a8,
-            use_int8_w8a8=use_int8_w8a8,
-            use_int8_w8a16=use_int8_w8a16,
-            use_int4_w4a16=use_int4_w4a16,
-            per_channel_quant=per_channel_quant,
-            block_shape=block_shape,
-        )
-
-        if routed_scaling_factor is None:
-            routed_scaling_factor = 1.0
-
-        if no_combine:
-            pass
-        elif _is_cuda:
-            if topk_ids.shape[1] == 1 and routed_scaling_factor == 1.0:
-                pass  # we write directly into out_hidden_states
-            elif topk_ids.shape[1] == 2 and routed_scaling_factor == 1.0:
-                torch.add(
-                    intermediate_cache3[:, 0],
-                    intermediate_cache3[:, 1],
-                    out=out_hidden_states,
-                ).squeeze(dim=1)
-            else:
-                # According to micro benchmark results, torch.compile can get better performance for small token.
-                if M <= 32:
-                    moe_sum_reduce_torch_compile(
-                        intermediate_cache3.view(*intermediate_cache3.shape),
-                        out_hidden_states,
-                        routed_scaling_factor,
-                    )
-                else:
-                    moe_sum_reduce_triton(
-                        intermediate_cache3.view(*intermediate_cache3.shape),
-                        out_hidden_states,
-                        routed_scaling_factor,
-                    )
-        elif _is_hip:
-            if _use_aiter:
-                moe_sum(
-                    intermediate_cache3.view(*intermediate_cache3.shape),
-                    out_hidden_states,
-                )
-            elif _has_vllm:
-                vllm_ops.moe_sum(
-                    intermediate_cache3.view(*intermediate_cache3.shape),
-                    out_hidden_states,
-                )
-            else:
-                # Fallback: use triton moe_sum when vllm is not available
-                moe_sum_reduce_triton(
-                    intermediate_cache3.view(*intermediate_cache3.shape),
-                    out_hidden_states,
-                    routed_scaling_factor,
-                )
-        elif _is_xpu:
-            moe_sum_reduce(
-                intermediate_cache3.view(*intermediate_cache3.shape),
-                out_hidden_states,
-                routed_scaling_factor,
-            )
-        else:
-            vllm_ops.moe_sum(
-                intermediate_cache3.view(*intermediate_cache3.shape),
-                out_hidden_states,
-            )
-
-        return TritonRunnerOutput(
-            hidden_states=out_hidden_states,
-        )
+        return TritonRunnerOutput(hidden_states=out)
 
     @property
     def runner_backend(self) -> MoeRunnerBackend:
@@ -360,30 +187,78 @@ def fused_experts_none_to_triton(
     quant_info: TritonMoeQuantInfo,
     runner_config: MoeRunnerConfig,
 ) -> StandardCombineInput:
-    from sglang.srt.layers.moe.fused_moe_triton.fused_moe import fused_experts
     from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 
-    output = fused_experts(
-        hidden_states=dispatch_output.hidden_states,
-        w1=quant_info.w13_weight,
-        w2=quant_info.w2_weight,
-        topk_output=dispatch_output.topk_output,
-        moe_runner_config=runner_config,
-        b1=quant_info.b13,
-        b2=quant_info.b2,
-        use_fp8_w8a8=quant_info.use_fp8_w8a8,
-        use_int8_w8a8=quant_info.use_int8_w8a8,
-        use_int8_w8a16=quant_info.use_int8_w8a16,
-        use_int4_w4a16=quant_info.use_int4_w4a16,
-        per_channel_quant=quant_info.per_channel_quant,
-        w1_scale=quant_info.w13_scale,
-        w2_scale=quant_info.w2_scale,
-        w1_zp=quant_info.w13_zp,
-        w2_zp=quant_info.w2_zp,
-        a1_scale=quant_info.a13_scale,
-        a2_scale=quant_info.a2_scale,
-        block_shape=quant_info.block_shape,
-    )
+    if quant_info.use_mxfp8 and is_hip() and is_gfx95_supported():
+        from sglang.kernels.ops.moe.mxfp8_moe_amd_gfx95 import (
+            fused_experts_mxfp8,
+        )
+
+        topk_weights, topk_ids, _ = dispatch_output.topk_output
+        output = fused_experts_mxfp8(
+            hidden_states=dispatch_output.hidden_states,
+            w1=quant_info.w13_weight,
+            w2=quant_info.w2_weight,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            w1_scale=quant_info.w13_scale,
+            w2_scale=quant_info.w2_scale,
+            b1=quant_info.b13,
+            b2=quant_info.b2,
+            activation=runner_config.activation,
+            is_gated=runner_config.is_gated,
+            no_combine=runner_config.no_combine,
+            inplace=runner_config.inplace,
+            apply_router_weight_on_input=runner_config.apply_router_weight_on_input,
+            routed_scaling_factor=runner_config.routed_scaling_factor,
+            gemm1_alpha=runner_config.gemm1_alpha,
+            gemm1_limit=runner_config.gemm1_clamp_limit,
+            swiglu_limit=runner_config.swiglu_limit,
+            gate_up_interleaved=runner_config.gate_up_interleaved,
+            sanitize_topk_ids=_topk_ids_may_be_nonlocal(runner_config),
+        )
+    else:
+        if quant_info.use_mxfp8 and is_cuda():
+            raise NotImplementedError(
+                "Triton MoE runner does not support NVIDIA MXFP8; use "
+                "--moe-runner-backend deep_gemm (or flashinfer_trtllm/cutlass)."
+            )
+        from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
+            fused_experts,
+        )
+
+        # SGLANG_OPT_MOE_QUANT_ONCE: use the caller's pre-quantized activation
+        # (per-token-group-128 fp8 q + scales) instead of re-quantizing inside
+        # invoke_fused_moe_kernel.
+        pre_quant = dispatch_output.hidden_states_pre_quant
+        if pre_quant is not None:
+            a1_q, a1_scale = pre_quant
+        else:
+            a1_q, a1_scale = None, quant_info.a13_scale
+
+        output = fused_experts(
+            hidden_states=dispatch_output.hidden_states,
+            w1=quant_info.w13_weight,
+            w2=quant_info.w2_weight,
+            topk_output=dispatch_output.topk_output,
+            moe_runner_config=runner_config,
+            b1=quant_info.b13,
+            b2=quant_info.b2,
+            use_fp8_w8a8=quant_info.use_fp8_w8a8,
+            use_int8_w8a8=quant_info.use_int8_w8a8,
+            use_int8_w8a16=quant_info.use_int8_w8a16,
+            use_int4_w4a16=quant_info.use_int4_w4a16,
+            per_channel_quant=quant_info.per_channel_quant,
+            w1_scale=quant_info.w13_scale,
+            w2_scale=quant_info.w2_scale,
+            w1_zp=quant_info.w13_zp,
+            w2_zp=quant_info.w2_zp,
+            a1_scale=a1_scale,
+            a2_scale=quant_info.a2_scale,
+            block_shape=quant_info.block_shape,
+            a1_q=a1_q,
+            fuse_swiglu_interleaved=quant_info.fuse_swiglu_interleaved,
+        )
 
     return StandardCombineInput(
         hidden_states=output,
@@ -398,13 +273,10 @@ def pre_permute_standard_to_triton(
     running_state: dict,
 ) -> TritonRunnerInput:
 
-    # NOTE: this is dead code as a fused func for standard format is registered.
-    # This is left here for testing and examples.
+    # Registered fallback for format-conversion tests and examples.
 
-    from sglang.srt.layers.moe.fused_moe_triton.fused_moe import (
-        get_config_dtype_str,
-        moe_align_block_size,
-        try_get_optimal_moe_config,
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import (
+        _prepare_fused_moe_run,
     )
     from sglang.srt.layers.moe.topk import TopKOutputChecker
 
@@ -415,47 +287,31 @@ def pre_permute_standard_to_triton(
 
     assert TopKOutputChecker.format_is_standard(topk_output)
 
-    num_tokens = hidden_states.shape[0]
-    num_local_experts = runner_config.num_local_experts
-
-    if (
-        not (quant_info.use_fp8_w8a8 or quant_info.use_int8_w8a8)
-        or quant_info.block_shape is not None
-        or _use_aiter
-    ):
-        padding_size = 0
-    else:
-        padding_size = _MOE_PADDING_SIZE
-
-    config_dtype = get_config_dtype_str(
+    (
+        config,
+        down_config,
+        down_moe_use_tma,
+        up_moe_use_tma,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+    ) = _prepare_fused_moe_run(
+        hidden_states,
+        quant_info.w13_weight,
+        quant_info.w2_weight,
+        topk_output.topk_ids,
         use_fp8_w8a8=quant_info.use_fp8_w8a8,
         use_int8_w8a8=quant_info.use_int8_w8a8,
         use_int8_w8a16=quant_info.use_int8_w8a16,
         use_int4_w4a16=quant_info.use_int4_w4a16,
-        dtype=hidden_states.dtype,
-    )
-
-    get_config_func = functools.partial(
-        try_get_optimal_moe_config,
-        quant_info.w13_weight.shape,
-        (
-            num_local_experts,
-            quant_info.w2_weight.shape[1],
-            quant_info.w2_weight.shape[2] - padding_size,
-        ),
-        topk_output.topk_ids.shape[1],
-        config_dtype,
-        block_shape=quant_info.block_shape,
         per_channel_quant=quant_info.per_channel_quant,
-    )
-
-    config = get_config_func(num_tokens)
-
-    sorted_token_ids, expert_ids, num_tokens_post_padded = moe_align_block_size(
-        topk_output.topk_ids, config["BLOCK_SIZE_M"], num_local_experts
+        block_shape=quant_info.block_shape,
     )
 
     running_state["config"] = config
+    running_state["down_config"] = down_config
+    running_state["down_moe_use_tma"] = down_moe_use_tma
+    running_state["up_moe_use_tma"] = up_moe_use_tma
 
     return TritonRunnerInput(
         hidden_states=hidden_states,
@@ -475,8 +331,7 @@ def post_permute_triton_to_standard(
     running_state: dict,
 ) -> StandardCombineInput:
 
-    # NOTE: this is dead code as a fused func for standard format is registered.
-    # This is left here for testing and examples.
+    # Registered fallback for format-conversion tests and examples.
 
     from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
 

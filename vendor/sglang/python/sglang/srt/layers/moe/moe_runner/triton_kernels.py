@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -19,8 +19,8 @@ from sglang.srt.layers.moe.moe_runner.base import (
 from sglang.srt.layers.moe.utils import MoeRunnerBackend
 
 if TYPE_CHECKING:
-    from triton_kernels.matmul_ogs import PrecisionConfig
-    from triton_kernels.routing import GatherIndx, RoutingData, ScatterIndx
+    from triton_kernels.matmul import PrecisionConfig
+    from triton_kernels.tensor_details.ragged_tensor import RaggedTensorMetadata
 
     from sglang.srt.layers.moe.token_dispatcher.standard import (
         StandardCombineInput,
@@ -38,9 +38,11 @@ class TritonKernelsRunnerInput(RunnerInput):
     """Input bundle passed to the triton-kernels runner core."""
 
     hidden_states: torch.Tensor
-    routing_data: "RoutingData"
-    gather_indx: "GatherIndx"
-    scatter_indx: "ScatterIndx"
+    a_ragged_metadata: RaggedTensorMetadata
+    gather_indx: torch.Tensor
+    scatter_indx: torch.Tensor
+    gate_scal: torch.Tensor
+    n_expts_act: int
 
     @property
     def runner_backend(self) -> MoeRunnerBackend:
@@ -84,22 +86,25 @@ class TritonKernelsRunnerCore(MoeRunnerCore):
         runner_input: TritonKernelsRunnerInput,
         quant_info: TritonKernelsQuantInfo,
         running_state: dict,
+        hooks: Optional[Any] = None,
     ) -> TritonKernelsRunnerOutput:
         from sglang.srt.layers.moe.fused_moe_triton.triton_kernels_moe import (
             triton_kernel_fused_experts,
             triton_kernel_fused_experts_with_bias,
         )
 
-        assert (
-            self.config.is_gated
-        ), "Only gated MoEs are supported for Triton Kernels runner"
+        assert self.config.is_gated, (
+            "Only gated MoEs are supported for Triton Kernels runner"
+        )
 
         hidden_states = runner_input.hidden_states
 
         common_kwargs = dict(
-            routing_data=runner_input.routing_data,
+            a_ragged_metadata=runner_input.a_ragged_metadata,
             gather_indx=runner_input.gather_indx,
             scatter_indx=None if self.config.no_combine else runner_input.scatter_indx,
+            gate_scal=runner_input.gate_scal,
+            n_expts_act=runner_input.n_expts_act,
             inplace=False,
             activation=self.config.activation,
             apply_router_weight_on_input=self.config.apply_router_weight_on_input,
@@ -109,9 +114,9 @@ class TritonKernelsRunnerCore(MoeRunnerCore):
         has_bias = quant_info.w13_bias is not None or quant_info.w2_bias is not None
 
         if has_bias:
-            assert (
-                quant_info.w13_bias is not None and quant_info.w2_bias is not None
-            ), "Bias execution requires both w13_bias and w2_bias"
+            assert quant_info.w13_bias is not None and quant_info.w2_bias is not None, (
+                "Bias execution requires both w13_bias and w2_bias"
+            )
             output = triton_kernel_fused_experts_with_bias(
                 hidden_states=hidden_states,
                 w1=quant_info.w13_weight,
@@ -132,12 +137,14 @@ class TritonKernelsRunnerCore(MoeRunnerCore):
                 **common_kwargs,
             )
 
+        tokens = runner_input.hidden_states.shape[0]
+        hidden = runner_input.hidden_states.shape[-1]
+        top_k = runner_input.n_expts_act
+
         if self.config.no_combine:
-            tokens = runner_input.hidden_states.shape[0]
-            hidden = runner_input.hidden_states.shape[-1]
-            total_rows = output.shape[0]
-            top_k = total_rows // tokens
             output = output.view(tokens, top_k, hidden)
+        else:
+            output = output.view(tokens, top_k, hidden).sum(dim=1)
 
         return TritonKernelsRunnerOutput(hidden_states=output)
 
@@ -153,7 +160,7 @@ class TritonKernelsRunnerCore(MoeRunnerCore):
 
 @register_pre_permute("standard", "triton_kernel")
 def pre_permute_standard_to_triton_kernels(
-    dispatch_output: "StandardDispatchOutput",
+    dispatch_output: StandardDispatchOutput,
     quant_info: TritonKernelsQuantInfo,
     runner_config: MoeRunnerConfig,
     running_state: dict,
@@ -163,17 +170,19 @@ def pre_permute_standard_to_triton_kernels(
     hidden_states = dispatch_output.hidden_states
     topk_output = dispatch_output.topk_output
 
-    assert TopKOutputChecker.format_is_triton_kernels(
-        topk_output
-    ), "Triton-kernel runner expects TritonKernelTopKOutput"
+    assert TopKOutputChecker.format_is_triton_kernels(topk_output), (
+        "Triton-kernel runner expects TritonKernelTopKOutput"
+    )
 
-    routing_data, gather_indx, scatter_indx = topk_output
+    a_ragged_metadata, gather_indx, scatter_indx, gate_scal, n_expts_act = topk_output
 
     return TritonKernelsRunnerInput(
         hidden_states=hidden_states,
-        routing_data=routing_data,
+        a_ragged_metadata=a_ragged_metadata,
         gather_indx=gather_indx,
         scatter_indx=scatter_indx,
+        gate_scal=gate_scal,
+        n_expts_act=n_expts_act,
     )
 
 

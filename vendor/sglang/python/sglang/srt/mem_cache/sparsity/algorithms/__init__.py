@@ -2,12 +2,12 @@ from sglang.srt.mem_cache.sparsity.algorithms.base_algorithm import (
     BaseSparseAlgorithm,
     BaseSparseAlgorithmImpl,
 )
-from sglang.srt.mem_cache.sparsity.algorithms.deepseek_nsa import DeepSeekNSAAlgorithm
+from sglang.srt.mem_cache.sparsity.algorithms.deepseek_dsa import DeepSeekDSAAlgorithm
 from sglang.srt.mem_cache.sparsity.algorithms.quest_algorithm import QuestAlgorithm
 
 __all__ = [
     "BaseSparseAlgorithm",
     "BaseSparseAlgorithmImpl",
-    "DeepSeekNSAAlgorithm",
+    "DeepSeekDSAAlgorithm",
     "QuestAlgorithm",
 ]

@@ -46,8 +46,8 @@ class BackendAdaptor(ABC):
         pass
 
 
-class NSABackendAdaptor(BackendAdaptor):
-    """Adaptor for NSA (Native Sparse Attention) backend."""
+class DSABackendAdaptor(BackendAdaptor):
+    """Adaptor for DSA (DeepSeek Sparse Attention) backend."""
 
     def __init__(
         self,
@@ -70,9 +70,9 @@ class NSABackendAdaptor(BackendAdaptor):
         **kwargs,
     ) -> Optional[torch.Tensor]:
         """
-        Transform logical page indices to physical device indices for NSA backend.
+        Transform logical page indices to physical device indices for DSA backend.
         """
-        # TODO: Implement NSA backend adaptor logic
+        # TODO: Implement DSA backend adaptor logic
         pass
 
 

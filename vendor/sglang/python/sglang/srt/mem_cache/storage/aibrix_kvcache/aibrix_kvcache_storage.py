@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
-from sglang.srt.mem_cache.memory_pool_host import HostKVCache
+from sglang.srt.mem_cache.pool_host import HostKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +31,17 @@ class AibrixKVCacheStorage(HiCacheStorage):
         else:
             self.is_mla_backend = False
             self.local_rank = 0
-        kv_cache = mem_pool.device_pool
         self.page_size = mem_pool.page_size
-        self.kv_cache_dtype = kv_cache.dtype
-        self.layer_num = kv_cache.layer_num
+        storage_info = mem_pool
+        self.kv_cache_dtype = storage_info.dtype
+        self.layer_num = mem_pool.target_layer_num
         self.kv_head_ids = [
-            self.local_rank * kv_cache.head_num + i for i in range(kv_cache.head_num)
+            self.local_rank * storage_info.head_num + i
+            for i in range(storage_info.head_num)
         ]
         if not self.is_mla_backend:
             self.layer_ids = range(
-                kv_cache.start_layer, kv_cache.end_layer
+                storage_info.start_layer, storage_info.end_layer
             )  # for pipeline parallel
 
             self.block_spec = KVCacheBlockSpec(
@@ -50,7 +51,7 @@ class AibrixKVCacheStorage(HiCacheStorage):
                 tensor_spec=KVCacheTensorSpec(
                     heads=self.kv_head_ids,
                     layers=self.layer_ids,
-                    head_size=kv_cache.head_dim,
+                    head_size=storage_info.head_dim,
                 ),
             )
             logger.info(self.block_spec)
@@ -83,9 +84,9 @@ class AibrixKVCacheStorage(HiCacheStorage):
             kv_blocks = handle.to_tensors()
             assert len(kv_blocks) == len(target_locations)
             for i in range(len(kv_blocks)):
-                assert (
-                    target_locations[i].nbytes == kv_blocks[i].nbytes
-                ), f"{target_locations[i].nbytes}, {kv_blocks[i].nbytes}"
+                assert target_locations[i].nbytes == kv_blocks[i].nbytes, (
+                    f"{target_locations[i].nbytes}, {kv_blocks[i].nbytes}"
+                )
                 target_locations[i].copy_(kv_blocks[i].flatten())
             handle.release()
             return target_locations
@@ -120,9 +121,9 @@ class AibrixKVCacheStorage(HiCacheStorage):
             logger.warning("aibrix_kvcache set allocate not enough")
             return False
         for i in range(len(tensors)):
-            assert (
-                tensors[i].nbytes == values[i].nbytes
-            ), f"{tensors[i].nbytes}, {values[i].nbytes}"
+            assert tensors[i].nbytes == values[i].nbytes, (
+                f"{tensors[i].nbytes}, {values[i].nbytes}"
+            )
             tensors[i].reshape(values[i].shape).copy_(values[i]).reshape(
                 tensors[i].shape
             )

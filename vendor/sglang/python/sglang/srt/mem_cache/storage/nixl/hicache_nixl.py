@@ -1,27 +1,32 @@
 import logging
+import os
 import time
 import uuid
-from typing import Any, List, Optional, Union
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
-from sglang.srt.mem_cache.memory_pool_host import HostKVCache
+from sglang.srt.mem_cache.pool_host import HostKVCache
+from sglang.srt.mem_cache.storage.mmap import alloc_mmap
+from sglang.srt.mem_cache.storage.nixl.nixl_cleaner import HiCacheL3Cleaner
 
-from .nixl_utils import (
-    NixlBackendConfig,
-    NixlBackendSelection,
-    NixlFileManager,
-    NixlRegistration,
-)
+from .nixl_registry import NixlRegistry
+from .nixl_utils import NixlBackendConfig, NixlBackendSelection, NixlFileManager
 
 try:
-    from nixl._api import nixl_agent, nixl_agent_config
+    from nixl._api import nixl_agent, nixl_agent_config, nixlBind
 except ImportError as e:
     raise ImportError(
         "Please install NIXL by following the instructions at "
@@ -30,6 +35,35 @@ except ImportError as e:
     ) from e
 
 logger = logging.getLogger(__name__)
+
+
+def _parse_storage_dirs(raw: Optional[str]) -> List[str]:
+    """Split NIXL FILE storage directory config into ordered unique paths."""
+    if not raw:
+        return []
+    candidates = [path.strip() for path in raw.split(",")]
+    candidates = [path for path in candidates if path]
+    seen: dict[str, str] = {}
+    ordered: List[str] = []
+    for path in candidates:
+        real_path = os.path.realpath(path)
+        if real_path in seen:
+            raise ValueError(
+                "SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR contains duplicate "
+                f"path {path!r} (same mount as {seen[real_path]!r})."
+            )
+        seen[real_path] = path
+        ordered.append(path)
+    return ordered
+
+
+@dataclass
+class _HybridPoolContext:
+    host_pool: HostKVCache
+    is_zero_copy: bool
+    bounce_set: Optional[torch.Tensor] = None
+    bounce_get: Optional[torch.Tensor] = None
+    bounce_page_bytes: int = 0
 
 
 class HiCacheNixl(HiCacheStorage):
@@ -48,15 +82,18 @@ class HiCacheNixl(HiCacheStorage):
         # select the NIXL backend plugin from extra_config or environment variable
         plugin = nixlconfig.get_specified_plugin()
 
+        use_direct_io = nixlconfig.get_use_direct_io()
+
         # Might be better to be unified across HiCache backends and moved to HiCacheController
-        file_path = envs.SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR.get() or file_path
+        storage_dirs = _parse_storage_dirs(
+            envs.SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR.get() or file_path
+        )
         self.file_manager = (
-            NixlFileManager(file_path)
+            NixlFileManager(storage_dirs, use_direct_io=use_direct_io)
             if plugin not in NixlBackendSelection.OBJ_PLUGINS
             else None
         )
 
-        # Initialize suffix based on storage config
         tp_rank, tp_size, model_name = (
             storage_config.tp_rank,
             storage_config.tp_size,
@@ -64,249 +101,244 @@ class HiCacheNixl(HiCacheStorage):
         )
 
         self.is_mla_model = storage_config.is_mla_model
+        self.is_zero_copy = False
+        self.storage_config = storage_config
+        self.backup_skip = self.is_mla_model and storage_config.tp_rank != 0
 
         model_name = "-".join(model_name.split("/")) if model_name else ""
+        self.tp_config_suffix = f"_{model_name}_{tp_rank}_{tp_size}"
 
         if self.is_mla_model:
             self.config_suffix = f"_{model_name}"
         else:
-            self.config_suffix = f"_{model_name}_{tp_rank}_{tp_size}"
+            self.config_suffix = self.tp_config_suffix
 
+        sync_mode = getattr(
+            nixlBind, "NIXL_THREAD_SYNC_RW", nixlBind.NIXL_THREAD_SYNC_STRICT
+        )
         agent_config = nixl_agent_config(backends=[])
         self.agent_name = f"hicache_nixl_{str(uuid.uuid4())}"
         self.agent = nixl_agent(self.agent_name, agent_config)
+        bind_cfg = nixlBind.nixlAgentConfig()
+        bind_cfg.useProgThread = agent_config.enable_pthread
+        bind_cfg.useListenThread = agent_config.enable_listen
+        bind_cfg.listenPort = agent_config.port
+        bind_cfg.syncMode = sync_mode
+        bind_cfg.pthrDelay = 0
+        bind_cfg.lthrDelay = 100000
+        bind_cfg.captureTelemetry = agent_config.capture_telemetry
+        self.agent.agent = nixlBind.nixlAgent(self.agent_name, bind_cfg)
+        self.agent.plugin_list = self.agent.agent.getAvailPlugins()
 
         self.backend_selector = NixlBackendSelection(plugin, nixlconfig)
         if not self.backend_selector.create_backend(self.agent):
             raise RuntimeError("Failed to create NIXL backend")
 
-        self.registration = NixlRegistration(self.agent)
+        self.registry = NixlRegistry(
+            self.agent,
+            self.backend_selector.mem_type,
+            self.file_manager,
+        )
+        # O_DIRECT requires OS-page-aligned I/O buffers on all file-based backends
+        # (POSIX, GDS, GDS_MT, 3FS). OBJ backends never open files so they are exempt
+        # (file_manager is None for OBJ).
+        self.needs_page_alignment = use_direct_io and self.file_manager is not None
+        if self.needs_page_alignment:
+            logger.info(
+                "HiCacheNixl: O_DIRECT is active with a file-based backend (%s). "
+                "Page-aligned host buffers are required (needs_page_alignment=True).",
+                self.backend_selector.backend_name,
+            )
+        # Pre-registered host regions (set by register_mem_pool_host):
+        # zero-copy: one registration covering mem_pool_host.kv_buffer
+        # non-zero-copy: two registrations, one bounce buffer per direction
+        # (set/get) so the two storage threads never share slots.
+        self._host_regs: List[Any] = []
+        self._bounce_set: Optional[torch.Tensor] = None
+        self._bounce_get: Optional[torch.Tensor] = None
+        self._bounce_page_bytes: Optional[int] = None
+        self._logical_anchor = False
+        self._hybrid_pool_ctx: dict[PoolName, _HybridPoolContext] = {}
+        self.registered_pools: dict[PoolName, HostKVCache] = {}
+        cleanup_dirs = (
+            self.file_manager.iter_all_base_dirs()
+            if self.file_manager is not None
+            else []
+        )
+        cleaner_config = nixlconfig.get_l3_cleaner_config()
+        self._l3_cleaner: Optional[HiCacheL3Cleaner] = (
+            HiCacheL3Cleaner(
+                cleanup_dirs,
+                tp_rank,
+                high_watermark=cleaner_config["high_watermark"],
+                low_watermark=cleaner_config["low_watermark"],
+            )
+            if (
+                cleanup_dirs
+                and self.file_manager is not None
+                and cleaner_config["enabled"]
+            )
+            else None
+        )
+        if self._l3_cleaner is not None:
+            self._l3_cleaner.start()
 
-    def _get_suffixed_key(self, key: str) -> str:
+    def _get_suffixed_key(self, key: str, pool_name: Optional[PoolName] = None) -> str:
+        # Mamba state is TP-sharded even when the model's MLA KV is replicated.
+        if pool_name == PoolName.MAMBA:
+            return key + self.tp_config_suffix
         return key + self.config_suffix
 
-    def register_buffers(
-        self, buffers: Union[torch.Tensor, List[torch.Tensor], List[tuple]]
-    ) -> Optional[Any]:
-        """Register tensor(s) or target locations in host memory (list of addr,len tuples) with NIXL."""
-        if isinstance(buffers[0], tuple):
-            tuples = [(x[0], x[1], 0, "") for x in buffers]
-            return self.registration._register_memory(tuples, "DRAM")
+    def _get_component_key(
+        self, key: str, component_name: Optional[PoolName] = None
+    ) -> str:
+        if component_name in (None, PoolName.KV):
+            return self._get_suffixed_key(key)
+        return f"{self._get_suffixed_key(key, component_name)}_{component_name}"
+
+    def _get_component_keys(
+        self, keys: List[str], pool_name: Optional[PoolName] = None
+    ) -> List[str]:
+        return [self._get_component_key(key, pool_name) for key in keys]
+
+    def _get_hybrid_component_keys(
+        self, keys: List[str], pool_name: PoolName, key_multiplier: int
+    ) -> List[str]:
+        if key_multiplier == 1:
+            return self._get_component_keys(keys, pool_name)
+
+        if pool_name == PoolName.MAMBA:
+            suffixes = [f"_{pool_name}_temporal"] + [
+                f"_{pool_name}_conv_{i}" for i in range(key_multiplier - 1)
+            ]
+        elif key_multiplier == 2:
+            suffixes = [f"_{pool_name}_k", f"_{pool_name}_v"]
         else:
-            return self.registration._register_memory(buffers)
+            suffixes = [f"_{pool_name}_{i}" for i in range(key_multiplier)]
 
-    def register_files(
-        self, file_paths: List[str], open_file: Optional[bool] = True
-    ) -> Optional[Any]:
-        """Register files with NIXL."""
-        tuples = self.file_manager.files_to_nixl_tuples(file_paths)
-        return self.registration._register_memory(tuples, "FILE")
+        return [
+            f"{self._get_suffixed_key(key, pool_name)}{suffix}"
+            for key in keys
+            for suffix in suffixes
+        ]
 
-    def register_objects(
-        self, keys: List[str], sizes: Optional[List[int]] = None
-    ) -> Optional[Any]:
-        """Register objects with NIXL."""
+    def _create_query_tuple(self, key: str) -> tuple:
+        """Build the NIXL query_memory tuple for a single key."""
+        if self.backend_selector.mem_type == "FILE":
+            return (0, 0, 0, self.file_manager.get_file_path(key))
+        return (0, 0, 0, key)
+
+    def _query_keys_exist(self, keys: List[str]) -> List[bool]:
         if not keys:
-            return None
-        tuples = [(0, 0, key, "") for key in keys]
-        return self.registration._register_memory(tuples, "OBJ")
+            return []
+        tuples = [self._create_query_tuple(key) for key in keys]
+        query_res = self.agent.query_memory(
+            tuples,
+            self.backend_selector.backend_name,
+            mem_type=self.backend_selector.mem_type,
+        )
+        return [res is not None for res in query_res]
 
-    def _execute_transfer(
+    def _xfer_and_wait(
         self,
-        buffers: Optional[List[torch.Tensor | tuple]],
-        keys: List[str],
+        host_descs: Any,
+        storage_descs: Any,
         direction: str,
     ) -> bool:
-        if len(buffers) != len(keys):
-            logger.error("Mismatch between number of tensors/buffers and files/objects")
-            return False
-
-        # Registering file and object keys per transfer, to be updated when
-        # pre-registration for file and object is added to HiCache.
-        if self.backend_selector.mem_type == "FILE":
-            tuples = self.file_manager.files_to_nixl_tuples(keys)
-            if not tuples or not self.registration._register_memory(tuples, "FILE"):
-                logger.error("Failed to prepare files for transfer")
-                return False
-        else:  # mem_type == "OBJ"
-            tuples = [(0, 0, key, "") for key in keys]
-            if not tuples or not self.registration._register_memory(tuples, "OBJ"):
-                logger.error("Failed to register objects")
-                return False
-
-        # Prepare transfer descriptors
-        if isinstance(buffers[0], torch.Tensor):
-            tensor_sizes = [
-                tensor.element_size() * tensor.numel() for tensor in buffers
-            ]
-            storage_tuples = [(x[0], s, x[2]) for x, s in zip(tuples, tensor_sizes)]
-            host_descs = self.agent.get_xfer_descs(buffers)
-
-            if direction in ("READ", "WRITE"):
-                # register buffer to avoid calling initialize_xfer twice due to missing registration
-                self.register_buffers(buffers)
-
-        elif isinstance(buffers[0], tuple):
-            storage_tuples = [(x[0], y[1], x[2]) for x, y in zip(tuples, buffers)]
-            host_descs = self.agent.get_xfer_descs(
-                [(x[0], x[1], 0) for x in buffers], "DRAM"
-            )
-
-            if direction in ("READ", "WRITE"):
-                # register buffer to avoid calling initialize_xfer twice due to missing registration
-                self.register_buffers(buffers)
-
-        else:
-            return False
-
-        storage_descs = self.agent.get_xfer_descs(
-            storage_tuples, self.backend_selector.mem_type
-        )
-
-        if (host_descs is None) or (storage_descs is None):
-            logger.error("Failed to get transfer descriptors")
-            return False
-
-        # Initialize transfer, default assumption that tensor was registered
-
+        """Initialize and poll a NIXL transfer to completion."""
         try:
             xfer_req = self.agent.initialize_xfer(
                 direction, host_descs, storage_descs, self.agent_name
             )
-        except Exception:
-            # Check if it was due to missing pre-registration
-            if not self.register_buffers(buffers):
-                logger.error("Failed to register tensors/buffers")
-                return False
+        except Exception as e:
+            logger.error(f"Failed to create transfer request: {e}")
+            return False
 
-            try:
-                xfer_req = self.agent.initialize_xfer(
-                    direction, host_descs, storage_descs, self.agent_name
-                )
-            except Exception as e:
-                logger.error(f"Failed to create transfer request: {e}")
-                return False
-
-        # Execute transfer and wait for its completion
         try:
             state = self.agent.transfer(xfer_req)
             while state != "DONE":
                 state = self.agent.check_xfer_state(xfer_req)
                 if state == "ERR":
-                    self.agent.release_xfer_handle(xfer_req)
                     logger.error("Transfer failed")
                     return False
-                time.sleep(0.0001)  # Can be changed to os.sched_yield() or parametrized
-
-            self.agent.release_xfer_handle(xfer_req)
+                # Best would be to have a better notification mechanism from NIXL,
+                # but we only have polling for now.
+                time.sleep(0.0001)
             return True
-
         except Exception as e:
             logger.error(f"Failed to execute transfer: {e}")
             import traceback
 
             logger.error(f"Traceback: {traceback.format_exc()}")
             return False
+        finally:
+            self.agent.release_xfer_handle(xfer_req)
+
+    def _xfer_pre_registered(
+        self,
+        host_buffers: List[tuple],
+        keys: List[str],
+        direction: str,
+    ) -> bool:
+        """Run a transfer where the host side is already pre-registered.
+
+        ``host_buffers`` is a list of ``(addr, size)`` tuples within the
+        pre-registered host region (kv_buffer for zero-copy, bounce buffer
+        otherwise). Only the storage side is registered per transfer.
+        """
+        if len(host_buffers) != len(keys):
+            logger.error("Mismatch between number of host buffers and keys")
+            return False
+
+        host_descs = self.agent.get_xfer_descs(
+            [(addr, size, 0) for (addr, size) in host_buffers], "DRAM"
+        )
+        if host_descs is None:
+            logger.error("Failed to build host xfer descs")
+            return False
+
+        with self.registry.storage(host_buffers, keys, direction) as storage_descs:
+            if storage_descs is None:
+                return False
+            return self._xfer_and_wait(host_descs, storage_descs, direction)
 
     def get(
         self,
         key: str,
-        target_location: Optional[torch.Tensor | int] = None,
-        target_sizes: Optional[int] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
     ) -> torch.Tensor | None:
-        # To be removed, being compatible with the current API
-        if target_location is None:
-            return None
-        if target_sizes:
-            result = self.batch_get([key], [target_location], [target_sizes])
-        else:
-            result = self.batch_get([key], [target_location])
-        return result[0] if result else None
+        raise NotImplementedError("deprecated; use batch_get_v1")
 
     def batch_get(
         self,
         keys: List[str],
-        target_locations: Optional[List[torch.Tensor | int]] = None,
-        target_sizes: Optional[List[int]] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
     ) -> List[torch.Tensor | None]:
-        if not keys:
-            return []
-
-        # To be removed, being compatible with the current API
-        if not target_locations:
-            return [None] * len(keys)
-
-        if target_sizes and (len(target_sizes) != len(target_locations)):
-            logger.error("Mismatch between number of target_locations and target_sizes")
-            return [None] * len(keys)
-
-        if target_sizes:
-            dest = list(zip(target_locations, target_sizes))
-        else:
-            dest = target_locations
-
-        # Add suffix to keys
-        suffixed_keys = [self._get_suffixed_key(key) for key in keys]
-
-        if self.backend_selector.mem_type == "FILE":
-            file_paths = [self.file_manager.get_file_path(key) for key in suffixed_keys]
-            success = self._execute_transfer(dest, file_paths, "READ")
-        else:
-            success = self._execute_transfer(dest, suffixed_keys, "READ")
-        return target_locations if success and not target_sizes else [None] * len(keys)
+        raise NotImplementedError("deprecated; use batch_get_v1")
 
     def set(
         self,
         key: str,
-        value: Optional[torch.Tensor] = None,
-        target_location: Optional[int] = None,
-        target_sizes: Optional[int] = None,
+        value: Optional[Any] = None,
+        target_location: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
     ) -> bool:
-        if target_location and target_sizes:
-            return self.batch_set([key], None, [target_location], [target_sizes])
-        else:
-            return self.batch_set([key], [value])
+        raise NotImplementedError("deprecated; use batch_set_v1")
 
     def batch_set(
         self,
         keys: List[str],
-        values: Optional[List[torch.Tensor]] = None,
-        target_locations: Optional[List[int]] = None,
-        target_sizes: Optional[List[int]] = None,
+        values: Optional[Any] = None,
+        target_locations: Optional[Any] = None,
+        target_sizes: Optional[Any] = None,
     ) -> bool:
-        if not keys or (not values and (not target_locations or not target_sizes)):
-            logger.error("Keys or values were not passed")
-            return False
-
-        if not values:
-            values = list(zip(target_locations, target_sizes))
-
-        # Add suffix to keys
-        suffixed_keys = [self._get_suffixed_key(key) for key in keys]
-
-        if self.backend_selector.mem_type == "FILE":
-            file_paths = []
-            for key in suffixed_keys:
-                file_path = self.file_manager.get_file_path(key)
-                # New file per set, to be updated when partial writes is added to HiCache
-                if not self.file_manager.create_file(file_path):
-                    logger.error(f"Failed to create file {file_path}")
-                    return False
-                file_paths.append(file_path)
-            return self._execute_transfer(values, file_paths, "WRITE")
-        else:  # mem_type == "OBJ"
-            return self._execute_transfer(values, suffixed_keys, "WRITE")
-
-    ############################################################################
-    # batch_*_v1 functions
-    # zero copy + non-zero-copy version for get, set, exists, batch_exists
-    ############################################################################
-
-    def clear(self) -> None:
-        self.file_manager.clear()
+        raise NotImplementedError("deprecated; use batch_set_v1")
 
     def register_mem_pool_host(self, mem_pool_host: HostKVCache):
         super().register_mem_pool_host(mem_pool_host)
+        self._logical_anchor = False
 
         # enable zero-copy automatically if mem layout is page_first or page_first_direct
         self.is_zero_copy = self.mem_pool_host.layout in [
@@ -314,9 +346,298 @@ class HiCacheNixl(HiCacheStorage):
             "page_first_direct",
         ]
 
+        kv = getattr(mem_pool_host, "kv_buffer", None)
+        if kv is None:
+            # DeepSeek V4 uses a LogicalHostPool as the KV anchor. It has no
+            # actual KV bytes; component pools carry the data through v2 APIs.
+            # Still write a small marker object per page so batch_exists_v2 can
+            # use the anchor key to gate sidecar lookups.
+            self.is_zero_copy = False
+            self._logical_anchor = True
+            marker_numel = 4096 if self.needs_page_alignment else 1
+            pin_memory = bool(getattr(mem_pool_host, "pin_memory", False))
+            self._bounce_page_bytes = marker_numel
+            self._bounce_set = self._alloc_registered(
+                marker_numel, torch.uint8, pin_memory, "logical_anchor_set"
+            )
+            self._bounce_get = self._alloc_registered(
+                marker_numel, torch.uint8, pin_memory, "logical_anchor_get"
+            )
+            self._bounce_set.fill_(1)
+            logger.info(
+                "HiCacheNixl: registered logical anchor pool with %d-byte markers",
+                self._bounce_page_bytes,
+            )
+            return
+
+        if self.needs_page_alignment and self.is_zero_copy:
+            # Check that the kv_buffer base AND per-page strides are multiples of
+            # the OS page size so every pointer passed to NIXL (base + p * stride)
+            # is page-aligned. The base is whatever torch.empty() happened to give
+            # us -- it is not guaranteed to be page-aligned. Fall back to copy mode
+            # if either condition fails.
+            # 4096: O_DIRECT alignment is FS-dependent (some allow 512 B); 4 KiB
+            # is the safe lower bound all known FSes accept, and real page-sizes meet it.
+            if not self.mem_pool_host.is_stride_page_aligned(4096):
+                logger.warning(
+                    "HiCacheNixl: O_DIRECT is active but the host kv_buffer is "
+                    "not OS-page-aligned (base or per-page stride). Falling back "
+                    "to copy mode for this pool."
+                )
+                self.is_zero_copy = False
+
+        if self.is_zero_copy:
+            self._pre_register_host(
+                kv.data_ptr(), kv.numel() * kv.element_size(), "kv_buffer"
+            )
+        else:
+            # One bounce buffer per direction so set/get run lock-free across
+            # the prefetch and backup threads. Sized from get_dummy_flat_data_page()
+            # so each slot matches what the v1 path would otherwise allocate.
+            sample = mem_pool_host.get_dummy_flat_data_page()
+            page_numel = sample.numel()
+            page_dtype = sample.dtype
+            self._bounce_page_bytes = page_numel * sample.element_size()
+            del sample
+            pin_memory = bool(getattr(mem_pool_host, "pin_memory", False))
+            self._bounce_set = self._alloc_registered(
+                page_numel, page_dtype, pin_memory, "bounce_set"
+            )
+            self._bounce_get = self._alloc_registered(
+                page_numel, page_dtype, pin_memory, "bounce_get"
+            )
+
         logger.info(
-            f"HiCacheNixl: Registered mem_pool_host with layout {self.mem_pool_host.layout}, zero_copy set to {self.is_zero_copy}"
+            f"HiCacheNixl: pre-registered host regions for "
+            f"layout={mem_pool_host.layout} zero_copy={self.is_zero_copy}"
         )
+
+    def register_mem_host_pool_v2(self, host_pool: HostKVCache, host_pool_name):
+        if host_pool_name == PoolName.KV:
+            return
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+        is_zero_copy = self._hybrid_pool_supports_zero_copy(host_pool, host_pool_name)
+        if is_zero_copy:
+            for i, buf in enumerate(host_pool.get_hybrid_pool_buffer()):
+                self._pre_register_host(
+                    buf.data_ptr(),
+                    buf.numel() * buf.element_size(),
+                    f"{host_pool_name}_buffer_{i}",
+                )
+            self._hybrid_pool_ctx[host_pool_name] = _HybridPoolContext(
+                host_pool=host_pool, is_zero_copy=True
+            )
+        else:
+            sample = host_pool.get_dummy_flat_data_page()
+            page_numel = sample.numel()
+            # Serialized index and Mamba pages can differ from the pool dtype.
+            page_dtype = sample.dtype
+            page_bytes = page_numel * sample.element_size()
+            del sample
+
+            pin_memory = bool(getattr(host_pool, "pin_memory", False))
+            bounce_set = self._alloc_registered(
+                page_numel, page_dtype, pin_memory, f"{host_pool_name}_bounce_set"
+            )
+            bounce_get = self._alloc_registered(
+                page_numel, page_dtype, pin_memory, f"{host_pool_name}_bounce_get"
+            )
+            self._hybrid_pool_ctx[host_pool_name] = _HybridPoolContext(
+                host_pool=host_pool,
+                is_zero_copy=False,
+                bounce_set=bounce_set,
+                bounce_get=bounce_get,
+                bounce_page_bytes=page_bytes,
+            )
+
+        logger.info(
+            "HiCacheNixl: registered hybrid host pool %s zero_copy=%s",
+            host_pool_name,
+            is_zero_copy,
+        )
+
+    def _hybrid_pool_supports_zero_copy(
+        self, host_pool: HostKVCache, host_pool_name: PoolName
+    ) -> bool:
+        if not (
+            hasattr(host_pool, "get_page_buffer_meta")
+            and hasattr(host_pool, "get_hybrid_pool_buffer")
+        ):
+            return False
+        buffers = host_pool.get_hybrid_pool_buffer()
+        if not buffers:
+            return False
+        if self.needs_page_alignment and not host_pool.is_stride_page_aligned(4096):
+            logger.warning(
+                "HiCacheNixl: O_DIRECT is active but hybrid pool %s is not "
+                "OS-page-aligned. Falling back to bounce buffers.",
+                host_pool_name,
+            )
+            return False
+        return True
+
+    def _get_bounce_slot_buffers(
+        self, buf: torch.Tensor, page_bytes: int, page_num: int
+    ) -> List[tuple]:
+        base = buf.data_ptr()
+        return [(base + i * page_bytes, page_bytes) for i in range(page_num)]
+
+    def _get_hybrid_key_multiplier(
+        self, pool_name: PoolName, host_pool: HostKVCache
+    ) -> int:
+        if pool_name == PoolName.MAMBA:
+            return 1 + len(getattr(host_pool, "conv_buffer", []) or [])
+        if hasattr(host_pool, "v_buffer"):
+            return 2
+        return 1
+
+    def _get_hybrid_zero_copy_buffers(
+        self, transfer: PoolTransfer, ctx: _HybridPoolContext
+    ) -> tuple[List[str], List[tuple], int]:
+        """Build NIXL keys and memory descriptors for zero-copy hybrid transfers.
+
+        The host pool returns one or more physical buffers per logical cache page
+        depending on the pool type, for example K/V buffers for SWA or temporal
+        plus convolution buffers for Mamba. This helper expands each logical page
+        key into component-level storage keys, validates that the expanded keys
+        match the host-pool metadata, and returns `(key_strs, host_buffers,
+        key_multiplier)`.
+        """
+        ptr_list, size_list = ctx.host_pool.get_page_buffer_meta(transfer.host_indices)
+        page_num = len(transfer.keys or [])
+        if page_num == 0 or len(ptr_list) % page_num != 0:
+            logger.error(
+                "HiCacheNixl: hybrid pool %s metadata mismatch: pages=%s ptrs=%s",
+                transfer.name,
+                page_num,
+                len(ptr_list),
+            )
+            return [], [], 0
+        key_multiplier = len(ptr_list) // page_num
+        key_strs = self._get_hybrid_component_keys(
+            transfer.keys or [], transfer.name, key_multiplier
+        )
+        if len(key_strs) != len(ptr_list):
+            logger.error(
+                "HiCacheNixl: hybrid pool %s key/meta mismatch: keys=%s ptrs=%s",
+                transfer.name,
+                len(key_strs),
+                len(ptr_list),
+            )
+            return [], [], 0
+        return key_strs, list(zip(ptr_list, size_list)), key_multiplier
+
+    def _prepare_pool_transfer(
+        self, transfer: PoolTransfer, for_write: bool
+    ) -> tuple[Optional[HostKVCache], List[str], List[tuple], List[int], int]:
+        ctx = self._hybrid_pool_ctx.get(transfer.name)
+        if ctx is None:
+            logger.error("Host pool %s is not registered in HiCacheNixl", transfer.name)
+            return None, [], [], [], 0
+
+        host_pool = ctx.host_pool
+        keys = transfer.keys or []
+        host_indices = transfer.host_indices
+        page_size = getattr(host_pool, "page_size", 1) or 1
+        expected = len(keys) * page_size
+        if host_indices is None or host_indices.numel() != expected:
+            logger.error(
+                "Pool %s indices length mismatch: expected %s, got %s",
+                transfer.name,
+                expected,
+                host_indices.numel() if host_indices is not None else 0,
+            )
+            return host_pool, [], [], [], 0
+
+        if ctx.is_zero_copy:
+            key_strs, host_buffers, key_multiplier = self._get_hybrid_zero_copy_buffers(
+                transfer, ctx
+            )
+            page_offsets = [
+                host_indices[i * page_size].item() for i in range(len(keys))
+            ]
+            return host_pool, key_strs, host_buffers, page_offsets, key_multiplier
+
+        if len(keys) > STORAGE_BATCH_SIZE:
+            logger.error(
+                "HiCacheNixl: hybrid pool %s batch size %s exceeds bounce buffer capacity %s",
+                transfer.name,
+                len(keys),
+                STORAGE_BATCH_SIZE,
+            )
+            return host_pool, [], [], [], 0
+
+        page_offsets = [host_indices[i * page_size].item() for i in range(len(keys))]
+        bounce = ctx.bounce_set if for_write else ctx.bounce_get
+        if bounce is None:
+            logger.error(
+                "Hybrid pool %s bounce buffer is not registered", transfer.name
+            )
+            return host_pool, [], [], [], 0
+
+        if for_write:
+            for i, page_offset in enumerate(page_offsets):
+                src = host_pool.get_data_page(page_offset, flat=True)
+                bounce[i].copy_(src)
+
+        host_buffers = self._get_bounce_slot_buffers(
+            bounce, ctx.bounce_page_bytes, len(page_offsets)
+        )
+        key_strs = self._get_component_keys(keys, transfer.name)
+        return host_pool, key_strs, host_buffers, page_offsets, 1
+
+    def _alloc_registered(
+        self,
+        page_numel: int,
+        dtype: torch.dtype,
+        pin_memory: bool,
+        kind: str,
+    ) -> torch.Tensor:
+        """Allocate a ``(STORAGE_BATCH_SIZE, page_numel)`` bounce buffer and
+        pre-register it as a DRAM region with NIXL. Uses alloc_mmap so the
+        buffer is page-aligned -- required when O_DIRECT is on for any
+        file-based backend (POSIX/GDS/GDS_MT/3FS). pin_memory is currently
+        unused (alloc_mmap does not support it)."""
+        buf = alloc_mmap((STORAGE_BATCH_SIZE, page_numel), dtype)
+        self._pre_register_host(buf.data_ptr(), buf.numel() * buf.element_size(), kind)
+        return buf
+
+    def _pre_register_host(self, base_addr: int, total_size: int, kind: str) -> None:
+        """Register a single DRAM region up-front and remember the handle."""
+        reg_descs = self.agent.get_reg_descs([(base_addr, total_size, 0, "")], "DRAM")
+        if reg_descs is None:
+            raise RuntimeError(f"Failed to build reg descs for host {kind}")
+        try:
+            self._host_regs.append(self.agent.register_memory(reg_descs))
+        except Exception as e:
+            raise RuntimeError(f"Failed to pre-register host {kind} with NIXL") from e
+
+    def clear(self) -> None:
+        if self.file_manager is None:
+            return
+        self.file_manager.clear()
+
+    def close(self):
+        if self._l3_cleaner is not None:
+            self._l3_cleaner.stop()
+            self._l3_cleaner = None
+        while self._host_regs:
+            reg = self._host_regs.pop()
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as e:
+                logger.debug("deregister of pre-registered host region failed: %s", e)
+        self._bounce_set = None
+        self._bounce_get = None
+        self._bounce_page_bytes = None
+        self._hybrid_pool_ctx.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def exists(self, key: str) -> bool:
         results = self.batch_exists([key])
@@ -327,49 +648,31 @@ class HiCacheNixl(HiCacheStorage):
         keys: List[str],
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> int:
-        # Add suffix to key
-
         if self.is_zero_copy:
             key_list = self._get_key_list_from_meta(keys)
             key_denominator = (
-                1 if not self.is_mla_model else 2
-            )  # MLA model only has k buffer, no separate v buffer
+                1 if self.is_mla_model else 2
+            )  # MLA: 1 key per page (_k only), non-MLA: 2 NIXL keys per page (_k + _v)
         else:
             key_list = [self._get_suffixed_key(key) for key in keys]
             key_denominator = 1
 
-        # obtain list of tuples by calling self.registration.create_query_tuples()
-        tuples = []
-        for key in key_list:
-            tuples += self.registration.create_query_tuples(
-                key,
-                self.backend_selector.mem_type,
-                self.file_manager if self.backend_selector.mem_type == "FILE" else None,
-            )
+        exists_results = self._query_keys_exist(key_list)
 
-        query_res = self.agent.query_memory(
-            tuples,
-            self.backend_selector.backend_name,
-            mem_type=self.backend_selector.mem_type,
-        )
-
-        for i in range(len(query_res)):
-            if query_res[i] is None:
+        for i, exists in enumerate(exists_results):
+            if not exists:
                 return i // key_denominator
-        return len(query_res) // key_denominator
+        return len(exists_results) // key_denominator
 
     def _get_key_list_from_meta(self, keys: List[str]) -> List[str]:
-        # construct the key list for NIXL transfer based on the keys and the suffix, for each key, we will have one suffixed key for k buffer and one suffixed key for v buffer if it's not an MLA model, and only one suffixed key for k buffer if it's an MLA model, since MLA model only has k/v interleaved buffer
+        # Each key maps to a `_k` entry, plus a `_v` entry on non-MLA models
+        # (MLA stores k/v interleaved in a single buffer).
         key_list = []
-
-        for key_ in keys:
-            suffixed_key = self._get_suffixed_key(key_)
-            if self.is_mla_model:
-                key_list.append(f"{suffixed_key}_k")
-            else:
-                key_list.append(f"{suffixed_key}_k")
+        for key in keys:
+            suffixed_key = self._get_suffixed_key(key)
+            key_list.append(f"{suffixed_key}_k")
+            if not self.is_mla_model:
                 key_list.append(f"{suffixed_key}_v")
-
         return key_list
 
     def _get_location_and_size_list_from_meta(
@@ -385,99 +688,139 @@ class HiCacheNixl(HiCacheStorage):
             logger.error(
                 f"HiCacheNixl: mismatch between number of keys and number of buffer meta entries, keys: {len(keys)}, key_list: {len(key_list)}, buffer meta entries: {len(ptr_list)}"
             )
-            return [], [], [], []
+            return [], [], []
 
-        return key_list, [], ptr_list, element_size_list
+        return key_list, ptr_list, element_size_list
 
-    def _batch_get_preprocess(self, keys: List[str], host_indices: torch.Tensor):
-        page_num = len(host_indices) // self.mem_pool_host.page_size
+    def _bounce_slot_buffers(self, buf: torch.Tensor, page_num: int) -> List[tuple]:
+        """Return ``page_num`` ``(addr, size)`` tuples pointing at the first
+        ``page_num`` slots of ``buf``.
+        """
+        base = buf.data_ptr()
+        return [
+            (base + i * self._bounce_page_bytes, self._bounce_page_bytes)
+            for i in range(page_num)
+        ]
+
+    def _batch_preprocess(self, keys: List[str], host_indices: torch.Tensor, op: str):
+        """Build (key_list, host_buffers) for the v1 path.
+
+        For zero-copy: ``host_buffers`` are ``(addr, size)`` tuples inside the
+        pre-registered ``kv_buffer``.
+        For non-zero-copy: ``host_buffers`` are slots of the direction-specific
+        pre-registered bounce buffer (``_bounce_set`` for set, ``_bounce_get``
+        for get); for ``op == "set"`` we copy the host pages into those slots
+        here so the subsequent transfer reads from the bounce buffer.
+        Returns ``([], [])`` on validation failure.
+        """
+        page_size = self.mem_pool_host.page_size
+        page_num = len(host_indices) // page_size
 
         if len(keys) == 0 or len(keys) != page_num:
             logger.warning(
-                f"HiCacheNixl: empty keys or mismatch in keys and host_indices lengths. keys: {len(keys)}, host_indices: {len(host_indices)}, page_size: {self.mem_pool_host.page_size}"
+                f"HiCacheNixl: empty keys or mismatch in keys and host_indices lengths. keys: {len(keys)}, host_indices: {len(host_indices)}, page_size: {page_size}"
             )
-            return [], [], [], []
+            return [], []
 
         if self.is_zero_copy:
-            key_list, _, ptr_list, element_size_list = (
-                self._get_location_and_size_list_from_meta(keys, host_indices)
+            key_list, ptr_list, size_list = self._get_location_and_size_list_from_meta(
+                keys, host_indices
             )
-            return key_list, [], ptr_list, element_size_list
-        else:
-            # non zero copy: create contiguous, temporary tensors
-            target_tensors = [
-                self.mem_pool_host.get_dummy_flat_data_page() for i in range(page_num)
-            ]
+            host_buffers = list(zip(ptr_list, size_list))
+            return key_list, host_buffers
 
-            key_list = [self._get_suffixed_key(key) for key in keys]
-            ptr_list = [tensor.data_ptr() for tensor in target_tensors]
-            element_size_list = [
-                tensor.numel() * tensor.element_size() for tensor in target_tensors
-            ]
+        if page_num > STORAGE_BATCH_SIZE:
+            logger.error(
+                f"HiCacheNixl: batch size {page_num} exceeds bounce buffer capacity {STORAGE_BATCH_SIZE}"
+            )
+            return [], []
 
-            return key_list, target_tensors, ptr_list, element_size_list
+        bounce = self._bounce_set if op == "set" else self._bounce_get
+        if op == "set":
+            if self._logical_anchor:
+                bounce[:page_num].fill_(1)
+            else:
+                for i in range(page_num):
+                    src = self.mem_pool_host.get_data_page(
+                        host_indices[i * page_size], flat=True
+                    )
+                    bounce[i].copy_(src)
 
-    def _batch_get_zero_copy_impl(
+        host_buffers = self._bounce_slot_buffers(bounce, page_num)
+        key_list = [self._get_suffixed_key(key) for key in keys]
+        return key_list, host_buffers
+
+    def _batch_xfer(
         self,
         keys: List[str],
         key_strs: List[str],
-        target_tensors: List[torch.Tensor],
-        target_locations: List[int],
-        target_sizes: List[int],
-    ) -> List[int]:
-
-        if not key_strs or not target_locations or not target_sizes:
+        host_buffers: List[tuple],
+        direction: str,
+    ) -> List[bool]:
+        """Run a batch READ or WRITE for the v1 path against the pre-registered
+        host region (no per-transfer host registration).
+        """
+        if not key_strs or not host_buffers:
             return [False] * len(keys)
 
-        if (len(key_strs) != len(target_locations)) or (
-            len(target_sizes) != len(target_locations)
-        ):
-            logger.error(
-                "Mismatch between number of key_strs, target_locations and target_sizes"
-            )
+        if len(key_strs) != len(host_buffers):
+            logger.error("Mismatch between number of key_strs and host_buffers")
             return [False] * len(keys)
-
-        if self.is_zero_copy:
-            dest = list(zip(target_locations, target_sizes))
-        else:
-            dest = target_tensors
 
         if self.backend_selector.mem_type == "FILE":
             file_paths = [self.file_manager.get_file_path(key) for key in key_strs]
-            success = self._execute_transfer(dest, file_paths, "READ")
-        else:
-            success = self._execute_transfer(dest, key_strs, "READ")
+            success = self._xfer_pre_registered(host_buffers, file_paths, direction)
+        else:  # mem_type == "OBJ"
+            success = self._xfer_pre_registered(host_buffers, key_strs, direction)
 
-        return [True] * len(key_strs) if success else [False] * len(key_strs)
+        # READ results are consumed by _batch_get_postprocess, which pairs
+        # entries 2*i / 2*i+1 for non-MLA zero-copy: it needs one bool per
+        # key_str (i.e. per `_k`/`_v` buffer). WRITE results map 1:1 to
+        # pages, i.e. to `keys`.
+        result_len = len(key_strs) if direction == "READ" else len(keys)
+        return [success] * result_len
 
     def _batch_get_postprocess(
         self,
         host_indices: torch.Tensor,
-        target_tensors: List[torch.Tensor],
         results: List[bool],
     ) -> List[bool]:
-
-        page_num = len(host_indices) // self.mem_pool_host.page_size
+        page_size = self.mem_pool_host.page_size
+        page_num = len(host_indices) // page_size
 
         if self.is_zero_copy:
             # zero copy: update final results based on the boolean results from NIXL transfer
             if self.is_mla_model:
                 return results
-            else:
-                results = [
-                    (results[2 * i] and results[2 * i + 1]) for i in range(page_num)
-                ]
-                return results
-        else:
-            # non zero copy: copy data from temporary tensors to mem_pool_host page by page
-            for i in range(page_num):
-                if not results[i]:
-                    break
-                self.mem_pool_host.set_from_flat_data_page(
-                    host_indices[i * self.mem_pool_host.page_size], target_tensors[i]
-                )
+            return [(results[2 * i] and results[2 * i + 1]) for i in range(page_num)]
 
+        if self._logical_anchor:
             return results
+
+        # non zero copy: copy data from the get-side bounce buffer to mem_pool_host
+        for i in range(page_num):
+            if not results[i]:
+                break
+            self.mem_pool_host.set_from_flat_data_page(
+                host_indices[i * page_size], self._bounce_get[i]
+            )
+        return results
+
+    def _log_xfer_stats(
+        self,
+        op_name: str,
+        num_keys: int,
+        host_indices: torch.Tensor,
+        buffer_sizes: List[int],
+        elapsed_ms: float,
+    ) -> None:
+        total_bytes = sum(s for s in buffer_sizes if s is not None)
+        bw = total_bytes / (elapsed_ms / 1000) / (1024 * 1024) if elapsed_ms else 0.0
+        logger.debug(
+            f"HiCacheNixl {op_name} transferred: {num_keys} keys (pages), "
+            f"{host_indices.numel()} host_indices, {total_bytes} bytes, "
+            f"total time: {elapsed_ms:.3f} ms, effective bandwidth: {bw:.2f} MB/s"
+        )
 
     def batch_get_v1(
         self,
@@ -485,106 +828,28 @@ class HiCacheNixl(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
-
-        key_strs, target_tensors, buffer_ptrs, buffer_sizes = (
-            self._batch_get_preprocess(keys, host_indices)
-        )
-
-        if not key_strs or not buffer_ptrs or not buffer_sizes:
+        if not self._host_regs:
             logger.error(
-                "HiCacheNixl batch_get_v1: preprocessing failed, empty key_strs, buffer_ptrs or buffer_sizes"
+                "HiCacheNixl batch_get_v1: register_mem_pool_host must be called first"
             )
+            return [False] * len(keys)
+
+        key_strs, host_buffers = self._batch_preprocess(keys, host_indices, "get")
+        if not key_strs or not host_buffers:
             return [False] * len(keys)
 
         start_time = time.perf_counter()
-
-        results_get = self._batch_get_zero_copy_impl(
-            keys, key_strs, target_tensors, buffer_ptrs, buffer_sizes
+        results = self._batch_xfer(keys, key_strs, host_buffers, "READ")
+        elapsed_ms = (time.perf_counter() - start_time) * 1000
+        self._log_xfer_stats(
+            "batch_get_v1",
+            len(keys),
+            host_indices,
+            [s for _, s in host_buffers],
+            elapsed_ms,
         )
 
-        end_time = time.perf_counter()
-        elapsed_time_ms = (end_time - start_time) * 1000
-        total_bytes = sum(s for s in buffer_sizes if s is not None)
-
-        logger.debug(
-            f"HiCacheNixl batch_get_v1 transferred: {len(keys)} keys (pages), {host_indices.numel()} host_indices, {total_bytes} bytes, total time: {elapsed_time_ms:.3f} ms, effective bandwidth: {total_bytes / (elapsed_time_ms / 1000) / (1024 * 1024):.2f} MB/s"
-        )
-
-        return self._batch_get_postprocess(host_indices, target_tensors, results_get)
-
-    def _batch_set_preprocess(self, keys: List[str], host_indices: torch.Tensor):
-
-        page_num = len(host_indices) // self.mem_pool_host.page_size
-
-        if len(keys) == 0 or len(keys) != page_num:
-            logger.warning(
-                f"HiCacheNixl: empty keys or mismatch in keys and host_indices lengths. keys: {len(keys)}, host_indices: {len(host_indices)}, page_size: {self.mem_pool_host.page_size}"
-            )
-            return [], [], [], []
-
-        if self.is_zero_copy:
-            key_list, _, ptr_list, element_size_list = (
-                self._get_location_and_size_list_from_meta(keys, host_indices)
-            )
-            return key_list, [], ptr_list, element_size_list
-        else:
-            # non zero copy: NIXL still requires contiguous tensors for transfer
-            target_tensors = [
-                self.mem_pool_host.get_data_page(
-                    host_indices[i * self.mem_pool_host.page_size], flat=False
-                ).contiguous()
-                for i in range(page_num)
-            ]
-
-            key_list = [self._get_suffixed_key(key) for key in keys]
-            ptr_list = [tensor.data_ptr() for tensor in target_tensors]
-            element_size_list = [
-                tensor.numel() * tensor.element_size() for tensor in target_tensors
-            ]
-
-            return key_list, target_tensors, ptr_list, element_size_list
-
-    def _batch_set_zero_copy_impl(
-        self,
-        keys: List[str],
-        key_strs: List[str],
-        target_tensors: List[torch.Tensor],
-        target_locations: List[int],
-        target_sizes: List[int],
-    ) -> List[bool]:
-
-        if not key_strs or not target_locations or not target_sizes:
-            return [False] * len(keys)
-
-        if (len(key_strs) != len(target_locations)) or (
-            len(target_sizes) != len(target_locations)
-        ):
-            logger.error(
-                "Mismatch between number of key_strs, target_locations and target_sizes"
-            )
-            return [False] * len(keys)
-
-        if self.is_zero_copy:
-            src = list(zip(target_locations, target_sizes))
-        else:
-            src = target_tensors
-
-        if self.backend_selector.mem_type == "FILE":
-            file_paths = []
-            for key in key_strs:
-                file_path = self.file_manager.get_file_path(key)
-                # New file per set, to be updated when partial writes is added to HiCache
-                if not self.file_manager.create_file(file_path):
-                    logger.error(
-                        f"******** Failed to create file {file_path} *********"
-                    )
-                    return [False] * len(keys)
-                file_paths.append(file_path)
-            success = self._execute_transfer(src, file_paths, "WRITE")
-        else:  # mem_type == "OBJ"
-            success = self._execute_transfer(src, key_strs, "WRITE")
-
-        return [True] * len(keys) if success else [False] * len(keys)
+        return self._batch_get_postprocess(host_indices, results)
 
     def batch_set_v1(
         self,
@@ -592,31 +857,164 @@ class HiCacheNixl(HiCacheStorage):
         host_indices: torch.Tensor,
         extra_info: Optional[HiCacheStorageExtraInfo] = None,
     ) -> List[bool]:
+        # skip on MLA backup rank
+        if self.backup_skip:
+            return [True] * len(keys)
 
         if len(keys) == 0:
             return []
 
-        key_strs, target_tensors, buffer_ptrs, buffer_sizes = (
-            self._batch_set_preprocess(keys, host_indices)
-        )
-
-        if not key_strs or not buffer_ptrs or not buffer_sizes:
+        if not self._host_regs:
             logger.error(
-                "HiCacheNixl batch_set_v1: preprocessing failed, empty key_strs, buffer_ptrs or buffer_sizes"
+                "HiCacheNixl batch_set_v1: register_mem_pool_host must be called first"
             )
             return [False] * len(keys)
 
+        key_strs, host_buffers = self._batch_preprocess(keys, host_indices, "set")
+        if not key_strs or not host_buffers:
+            return [False] * len(keys)
+
         start_time = time.perf_counter()
-
-        results_set = self._batch_set_zero_copy_impl(
-            keys, key_strs, target_tensors, buffer_ptrs, buffer_sizes
+        results = self._batch_xfer(keys, key_strs, host_buffers, "WRITE")
+        elapsed_ms = (time.perf_counter() - start_time) * 1000
+        self._log_xfer_stats(
+            "batch_set_v1",
+            len(keys),
+            host_indices,
+            [s for _, s in host_buffers],
+            elapsed_ms,
         )
 
-        end_time = time.perf_counter()
-        elapsed_time_ms = (end_time - start_time) * 1000
-        total_bytes = sum(s for s in buffer_sizes if s is not None)
-        logger.debug(
-            f"HiCacheNixl batch_set_v1 transferred: {len(keys)} keys (pages), {host_indices.numel()} host_indices, {total_bytes} bytes, total time: {elapsed_time_ms:.3f} ms, effective bandwidth: {total_bytes / (elapsed_time_ms / 1000) / (1024 * 1024):.2f} MB/s"
-        )
+        return results
 
-        return results_set
+    def batch_exists_v2(
+        self,
+        keys: List[str],
+        pool_transfers: Optional[List[PoolTransfer]] = None,
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> PoolTransferResult:
+        kv_pages = self.batch_exists(keys, extra_info)
+        hit_count: dict = {PoolName.KV: kv_pages} if kv_pages else {}
+        final_pages = kv_pages
+
+        for transfer in pool_transfers or []:
+            if final_pages == 0:
+                break
+            if transfer.name not in self.registered_pools:
+                final_pages = 0
+                break
+
+            ctx = self._hybrid_pool_ctx.get(transfer.name)
+            if ctx is None:
+                final_pages = 0
+                break
+            key_multiplier = (
+                self._get_hybrid_key_multiplier(transfer.name, ctx.host_pool)
+                if ctx.is_zero_copy
+                else 1
+            )
+            component_keys = self._get_hybrid_component_keys(
+                keys[:kv_pages], transfer.name, key_multiplier
+            )
+            exists_results = self._query_keys_exist(component_keys)
+            page_exists = self._page_results(exists_results, key_multiplier)
+
+            boundary = 0
+            if transfer.hit_policy == PoolHitPolicy.ALL_PAGES:
+                try:
+                    boundary = page_exists.index(False)
+                except ValueError:
+                    boundary = kv_pages
+            elif transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(transfer.keys) if transfer.keys else 1)
+                for prefix_len in range(kv_pages, 0, -1):
+                    if all(
+                        page_exists[i]
+                        for i in range(max(0, prefix_len - trailing), prefix_len)
+                    ):
+                        boundary = prefix_len
+                        break
+
+            if boundary:
+                hit_count[transfer.name] = boundary
+            final_pages = min(final_pages, boundary)
+
+        return PoolTransferResult(final_pages, hit_count)
+
+    @staticmethod
+    def _page_results(results: List[bool], key_multiplier: int) -> List[bool]:
+        if key_multiplier <= 1:
+            return results
+        return [
+            all(results[i : i + key_multiplier])
+            for i in range(0, len(results), key_multiplier)
+        ]
+
+    def batch_get_v2(
+        self,
+        transfers: List[PoolTransfer],
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> dict[str, List[bool]]:
+        results: dict[str, List[bool]] = {}
+        for transfer in transfers:
+            host_pool, key_strs, host_buffers, page_offsets, key_multiplier = (
+                self._prepare_pool_transfer(transfer, for_write=False)
+            )
+            if host_pool is None or not key_strs:
+                results[transfer.name] = [False] * len(transfer.keys or [])
+                continue
+
+            start_time = time.perf_counter()
+            transfer_results = self._batch_xfer(
+                key_strs, key_strs, host_buffers, "READ"
+            )
+            elapsed_ms = (time.perf_counter() - start_time) * 1000
+            self._log_xfer_stats(
+                f"batch_get_v2[{transfer.name}]",
+                len(transfer.keys or []),
+                transfer.host_indices,
+                [size for _, size in host_buffers],
+                elapsed_ms,
+            )
+            ctx = self._hybrid_pool_ctx[transfer.name]
+            page_results = self._page_results(transfer_results, key_multiplier)
+            if not ctx.is_zero_copy:
+                for ok, page_offset, data_page in zip(
+                    page_results, page_offsets, ctx.bounce_get
+                ):
+                    if not ok:
+                        break
+                    host_pool.set_from_flat_data_page(page_offset, data_page)
+            results[transfer.name] = page_results
+        return results
+
+    def batch_set_v2(
+        self,
+        transfers: List[PoolTransfer],
+        extra_info: Optional[HiCacheStorageExtraInfo] = None,
+    ) -> dict[str, List[bool]]:
+        results: dict[str, List[bool]] = {}
+        for transfer in transfers:
+            _, key_strs, host_buffers, _, key_multiplier = self._prepare_pool_transfer(
+                transfer, for_write=True
+            )
+            if not key_strs:
+                results[transfer.name] = [False] * len(transfer.keys or [])
+                continue
+
+            start_time = time.perf_counter()
+            transfer_results = self._batch_xfer(
+                key_strs, key_strs, host_buffers, "WRITE"
+            )
+            elapsed_ms = (time.perf_counter() - start_time) * 1000
+            self._log_xfer_stats(
+                f"batch_set_v2[{transfer.name}]",
+                len(transfer.keys or []),
+                transfer.host_indices,
+                [size for _, size in host_buffers],
+                elapsed_ms,
+            )
+            results[transfer.name] = self._page_results(
+                transfer_results, key_multiplier
+            )
+        return results

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from csrc.attn.vmoba_attn.vmoba import moba_attn_varlen
+from sglang.multimodal_gen.csrc.attn.vmoba_attn.vmoba import moba_attn_varlen
 
 
 def generate_test_data(

@@ -22,7 +22,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
 from sglang.multimodal_gen.runtime.layers.attention.backends.attention_backend import (
     AttentionBackend,
@@ -37,126 +36,7 @@ logger = init_logger(__name__)
 
 
 # ==================================SLA Functions===================================
-def get_block_map(q, k, topk_ratio, BLKQ=64, BLKK=64):
-    arg_k = k - torch.mean(
-        k, dim=-2, keepdim=True
-    )  # smooth-k technique in SageAttention
-    pooled_qblocks = mean_pool(q, BLKQ)
-    pooled_kblocks = mean_pool(arg_k, BLKK)
-    pooled_score = pooled_qblocks @ pooled_kblocks.transpose(-1, -2)
-
-    K = pooled_score.shape[-1]
-    topk = min(K, int(topk_ratio * K))
-    lut = torch.topk(pooled_score, topk, dim=-1, sorted=False).indices
-
-    sparse_map = torch.zeros_like(pooled_score, dtype=torch.int8)
-    sparse_map.scatter_(-1, lut, 1)
-    return sparse_map, lut, topk
-
-
-def mean_pool(x, BLK):
-    assert x.is_contiguous()
-
-    B, H, L, D = x.shape
-    L_BLOCKS = (L + BLK - 1) // BLK
-    x_mean = torch.empty((B, H, L_BLOCKS, D), device=x.device, dtype=x.dtype)
-
-    grid = (L_BLOCKS, B * H)
-    compress_kernel[grid](x, x_mean, L, D, BLK)
-    return x_mean
-
-
-@triton.jit
-def compress_kernel(
-    X,
-    XM,
-    L: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-):
-    idx_l = tl.program_id(0)
-    idx_bh = tl.program_id(1)
-
-    offs_l = idx_l * BLOCK_L + tl.arange(0, BLOCK_L)
-    offs_d = tl.arange(0, D)
-
-    x_offset = idx_bh * L * D
-    xm_offset = idx_bh * ((L + BLOCK_L - 1) // BLOCK_L) * D
-    x = tl.load(
-        X + x_offset + offs_l[:, None] * D + offs_d[None, :], mask=offs_l[:, None] < L
-    )
-
-    nx = min(BLOCK_L, L - idx_l * BLOCK_L)
-    x_mean = tl.sum(x, axis=0, dtype=tl.float32) / nx
-    tl.store(XM + xm_offset + idx_l * D + offs_d, x_mean.to(XM.dtype.element_ty))
-
-
-@triton.jit
-def _attn_fwd(
-    Q,
-    K,
-    V,
-    qk_scale: tl.constexpr,
-    topk: tl.constexpr,
-    LUT,
-    LSE,
-    OS,
-    L: tl.constexpr,
-    M_BLOCKS: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    idx_m = tl.program_id(0).to(tl.int64)
-    idx_bh = tl.program_id(1).to(tl.int64)
-
-    qkv_offset = idx_bh * L * D
-    lut_offset = (idx_bh * M_BLOCKS + idx_m) * topk
-    lse_offset = idx_bh * L
-    offs_m = idx_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-
-    Q_ptrs = Q + qkv_offset + offs_m[:, None] * D + offs_d[None, :]
-    K_ptrs = K + qkv_offset + offs_n[None, :] * D + offs_d[:, None]
-    V_ptrs = V + qkv_offset + offs_n[:, None] * D + offs_d[None, :]
-    OS_ptrs = OS + qkv_offset + offs_m[:, None] * D + offs_d[None, :]
-    LUT_ptr = LUT + lut_offset
-    LSE_ptrs = LSE + lse_offset + offs_m
-
-    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    o_s = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-
-    q = tl.load(Q_ptrs, mask=offs_m[:, None] < L)
-    for block_idx in tl.range(topk):
-        idx_n = tl.load(LUT_ptr + block_idx)
-        n_mask = offs_n < L - idx_n * BLOCK_N
-
-        k = tl.load(K_ptrs + idx_n * BLOCK_N * D, mask=n_mask[None, :])
-        qk = tl.dot(q, k) * (qk_scale * 1.4426950408889634)  # = 1 / ln(2)
-        if L - idx_n * BLOCK_N < BLOCK_N:
-            qk = tl.where(n_mask[None, :], qk, float("-inf"))
-
-        v = tl.load(V_ptrs + idx_n * BLOCK_N * D, mask=n_mask[:, None])
-        local_m = tl.max(qk, 1)
-        new_m = tl.maximum(m_i, local_m)
-        qk = qk - new_m[:, None]
-
-        p = tl.math.exp2(qk)
-        l_ij = tl.sum(p, 1)
-        alpha = tl.math.exp2(m_i - new_m)
-        o_s = o_s * alpha[:, None]
-        o_s += tl.dot(p.to(v.dtype), v)
-
-        l_i = l_i * alpha + l_ij
-        m_i = new_m
-
-    o_s = o_s / l_i[:, None]
-    tl.store(OS_ptrs, o_s.to(OS.type.element_ty), mask=offs_m[:, None] < L)
-
-    m_i += tl.math.log2(l_i)
-    tl.store(LSE_ptrs, m_i, mask=offs_m < L)
+from sglang.kernels.ops.diffusion import _attn_fwd, get_block_map
 
 
 def _get_cuda_arch(device_index: int) -> str:
@@ -206,12 +86,6 @@ class SparseLinearAttentionMetadata(AttentionMetadata):
 class SparseLinearAttentionMetadataBuilder(AttentionMetadataBuilder):
     """Builder for SparseLinearAttentionMetadata."""
 
-    def __init__(self) -> None:
-        pass
-
-    def prepare(self) -> None:
-        pass
-
     def build(
         self,
         current_timestep: int,
@@ -222,6 +96,24 @@ class SparseLinearAttentionMetadataBuilder(AttentionMetadataBuilder):
             current_timestep=current_timestep,
             topk_ratio=topk_ratio,
         )
+
+
+def _initialize_linear_attention(model, head_size: int, feature_map: str) -> None:
+    model.proj_l = nn.Linear(head_size, head_size, dtype=torch.float32)
+    model.feature_map_q: Callable[[torch.Tensor], torch.Tensor]
+    model.feature_map_k: Callable[[torch.Tensor], torch.Tensor]
+    if feature_map == "elu":
+        model.feature_map_q = lambda x: F.elu(x) + 1
+        model.feature_map_k = lambda x: F.elu(x) + 1
+    elif feature_map == "relu":
+        model.feature_map_q = F.relu
+        model.feature_map_k = F.relu
+    elif feature_map == "softmax":
+        model.feature_map_q = lambda x: F.softmax(x, dim=-1)
+        model.feature_map_k = lambda x: F.softmax(x, dim=-1)
+    else:
+        raise ValueError(f"Unknown feature map: {feature_map}")
+    model._init_weights()
 
 
 class SparseLinearAttentionImpl(AttentionImpl, nn.Module):
@@ -251,26 +143,7 @@ class SparseLinearAttentionImpl(AttentionImpl, nn.Module):
         self.BLKK = BLKK
         self.dtype = torch.bfloat16 if use_bf16 else torch.float16
 
-        # Learnable linear projection for combining sparse + linear attention
-        self.proj_l = nn.Linear(head_size, head_size, dtype=torch.float32)
-
-        # Feature map for linear attention
-        # Type annotation for callables
-        self.feature_map_q: Callable[[torch.Tensor], torch.Tensor]
-        self.feature_map_k: Callable[[torch.Tensor], torch.Tensor]
-        if feature_map == "elu":
-            self.feature_map_q = lambda x: F.elu(x) + 1
-            self.feature_map_k = lambda x: F.elu(x) + 1
-        elif feature_map == "relu":
-            self.feature_map_q = F.relu
-            self.feature_map_k = F.relu
-        elif feature_map == "softmax":
-            self.feature_map_q = lambda x: F.softmax(x, dim=-1)
-            self.feature_map_k = lambda x: F.softmax(x, dim=-1)
-        else:
-            raise ValueError(f"Unknown feature map: {feature_map}")
-
-        self._init_weights()
+        _initialize_linear_attention(self, head_size, feature_map)
 
     def _init_weights(self) -> None:
         """Initialize projection weights to zero for residual-like behavior."""
@@ -323,8 +196,8 @@ class SparseLinearAttentionImpl(AttentionImpl, nn.Module):
         )
 
         # Apply feature maps
-        query = self.feature_map_q(query).contiguous().to(self.dtype)  # c_q
-        key = self.feature_map_k(key).contiguous().to(self.dtype)  # c_k
+        query = self.feature_map_q(query).to(self.dtype)  # c_q
+        key = self.feature_map_k(key).to(self.dtype)  # c_k
         # Linear attention computation
         o_l = self._calc_linear_attention_with_torch(query, key, value)
 
@@ -442,12 +315,6 @@ class SageSparseLinearAttentionMetadata(AttentionMetadata):
 class SageSparseLinearAttentionMetadataBuilder(AttentionMetadataBuilder):
     """Builder for SageSparseLinearAttentionMetadata."""
 
-    def __init__(self) -> None:
-        pass
-
-    def prepare(self) -> None:
-        pass
-
     def build(
         self,
         current_timestep: int,
@@ -476,9 +343,9 @@ class SageSparseLinearAttentionImpl(AttentionImpl, nn.Module):
     ) -> None:
         nn.Module.__init__(self)
 
-        assert (
-            SAGESLA_ENABLED
-        ), "Install spas_sage_attn(pip install git+https://github.com/thu-ml/SpargeAttn.git --no-build-isolation) first to enable SageSLA."
+        assert SAGESLA_ENABLED, (
+            "Install spas_sage_attn(pip install git+https://github.com/thu-ml/SpargeAttn.git --no-build-isolation) first to enable SageSLA."
+        )
 
         self.num_heads = num_heads
         self.head_size = head_size
@@ -489,42 +356,12 @@ class SageSparseLinearAttentionImpl(AttentionImpl, nn.Module):
         self.topk_ratio = topk_ratio
         self.dtype = torch.bfloat16 if use_bf16 else torch.float16
 
-        # Learnable linear projection for combining sparse + linear attention
-        self.proj_l = nn.Linear(head_size, head_size, dtype=torch.float32)
+        _initialize_linear_attention(self, head_size, feature_map)
 
-        # Feature map for linear attention
-        # Type annotation for callables
-        self.feature_map_q: Callable[[torch.Tensor], torch.Tensor]
-        self.feature_map_k: Callable[[torch.Tensor], torch.Tensor]
-        if feature_map == "elu":
-            self.feature_map_q = lambda x: F.elu(x) + 1
-            self.feature_map_k = lambda x: F.elu(x) + 1
-        elif feature_map == "relu":
-            self.feature_map_q = F.relu
-            self.feature_map_k = F.relu
-        elif feature_map == "softmax":
-            self.feature_map_q = lambda x: F.softmax(x, dim=-1)
-            self.feature_map_k = lambda x: F.softmax(x, dim=-1)
-        else:
-            raise ValueError(f"Unknown feature map: {feature_map}")
-
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        """Initialize projection weights to zero for residual-like behavior."""
-        with torch.no_grad():
-            nn.init.zeros_(self.proj_l.weight)
-            nn.init.zeros_(self.proj_l.bias)  # type: ignore[arg-type]
-
-    def _calc_linear_attention_with_torch(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ):
-        kv = torch.matmul(k.transpose(-1, -2), v)
-        k_sum = torch.sum(k, dim=-2, keepdim=True)
-        return torch.matmul(q, kv) / (1e-5 + torch.matmul(q, k_sum.transpose(-1, -2)))
+    _init_weights = SparseLinearAttentionImpl._init_weights
+    _calc_linear_attention_with_torch = (
+        SparseLinearAttentionImpl._calc_linear_attention_with_torch
+    )
 
     def forward(
         self,
@@ -574,7 +411,9 @@ class SageSparseLinearAttentionImpl(AttentionImpl, nn.Module):
         assert headdim in [
             64,
             128,
-        ], "headdim should be in [64, 128]. For other headdim, you can use padding and specify the softmax scale."
+        ], (
+            "headdim should be in [64, 128]. For other headdim, you can use padding and specify the softmax scale."
+        )
 
         # Quantize Q, K to INT8
         q_int8, q_scale, k_int8, k_scale = get_vanilla_qk_quant(q, k, km, BLKQ, BLKK)
@@ -681,8 +520,8 @@ class SageSparseLinearAttentionImpl(AttentionImpl, nn.Module):
         ########## SPARGE END ##########
 
         # Linear attention with feature maps
-        q_linear = self.feature_map_q(q).contiguous().to(self.dtype)
-        k_linear = self.feature_map_k(k).contiguous().to(self.dtype)
+        q_linear = self.feature_map_q(q).to(self.dtype)
+        k_linear = self.feature_map_k(k).to(self.dtype)
         o_l = self._calc_linear_attention_with_torch(q_linear, k_linear, v)
 
         # Project linear attention output and combine

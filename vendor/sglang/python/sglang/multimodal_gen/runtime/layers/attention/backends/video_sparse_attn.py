@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    from vsa import video_sparse_attn
-except ImportError:
-    video_sparse_attn = None
+video_sparse_attn = None
+if torch.cuda.is_available():
+    try:
+        from vsa import video_sparse_attn
+    except ImportError:
+        pass
 
 from typing import Any
 
@@ -66,6 +68,7 @@ def construct_variable_block_sizes(
     dit_seq_shape: tuple[int, int, int],
     num_tiles: tuple[int, int, int],
     device: torch.device,
+    tile_size: tuple[int, int, int] = VSA_TILE_SIZE,
 ) -> torch.LongTensor:
     """
     Compute the number of valid (non‑padded) tokens inside every
@@ -78,7 +81,7 @@ def construct_variable_block_sizes(
     """
     # unpack
     t, h, w = dit_seq_shape
-    ts_t, ts_h, ts_w = VSA_TILE_SIZE
+    ts_t, ts_h, ts_w = tile_size
     n_t, n_h, n_w = num_tiles
 
     def _sizes(dim_len: int, tile: int, n_tiles: int) -> torch.LongTensor:
@@ -98,9 +101,7 @@ def construct_variable_block_sizes(
         t_sizes[:, None, None]  # [n_t, 1,   1]
         * h_sizes[None, :, None]  # [1,   n_h, 1]
         * w_sizes[None, None, :]  # [1,   1,   n_w]
-    ).reshape(
-        -1
-    )  # [n_t * n_h * n_w]
+    ).reshape(-1)  # [n_t * n_h * n_w]
 
     return block_sizes
 
@@ -124,7 +125,6 @@ def get_non_pad_index(
 
 
 class VideoSparseAttentionBackend(AttentionBackend):
-
     accept_output_buffer: bool = True
 
     @staticmethod
@@ -159,6 +159,8 @@ class VideoSparseAttentionMetadata(AttentionMetadata):
     reverse_tile_partition_indices: torch.LongTensor
     variable_block_sizes: torch.LongTensor
     non_pad_index: torch.LongTensor
+    untile_combined_index: torch.LongTensor
+    tile_buf: torch.Tensor | None = None
 
     # adaption for FastWan2.1-T2V-1.3B-Diffusers
     # Sequence lengths for the forward batch
@@ -168,14 +170,13 @@ class VideoSparseAttentionMetadata(AttentionMetadata):
     max_seqlen_k: int = 0
 
 
+def _compute_cur_topk(attn_metadata: VideoSparseAttentionMetadata) -> int:
+    num_kv_blocks = attn_metadata.variable_block_sizes.numel()
+    cur_topk = math.ceil((1 - attn_metadata.VSA_sparsity) * num_kv_blocks)
+    return max(1, min(cur_topk, num_kv_blocks))
+
+
 class VideoSparseAttentionMetadataBuilder(AttentionMetadataBuilder):
-
-    def __init__(self):
-        pass
-
-    def prepare(self):
-        pass
-
     def build(  # type: ignore
         self,
         current_timestep: int,
@@ -185,7 +186,6 @@ class VideoSparseAttentionMetadataBuilder(AttentionMetadataBuilder):
         device: torch.device,
         **kwargs: dict[str, Any],
     ) -> VideoSparseAttentionMetadata:
-        patch_size = patch_size
         dit_seq_shape = (
             raw_latent_shape[0] // patch_size[0],
             raw_latent_shape[1] // patch_size[1],
@@ -211,6 +211,7 @@ class VideoSparseAttentionMetadataBuilder(AttentionMetadataBuilder):
         non_pad_index = get_non_pad_index(
             variable_block_sizes, math.prod(VSA_TILE_SIZE)
         )
+        untile_combined_index = non_pad_index[reverse_tile_partition_indices]
 
         return VideoSparseAttentionMetadata(
             current_timestep=current_timestep,
@@ -222,11 +223,11 @@ class VideoSparseAttentionMetadataBuilder(AttentionMetadataBuilder):
             reverse_tile_partition_indices=reverse_tile_partition_indices,
             variable_block_sizes=variable_block_sizes,
             non_pad_index=non_pad_index,
+            untile_combined_index=untile_combined_index,
         )
 
 
 class VideoSparseAttentionImpl(AttentionImpl):
-
     def __init__(
         self,
         num_heads: int,
@@ -244,58 +245,52 @@ class VideoSparseAttentionImpl(AttentionImpl):
     def tile(
         self,
         x: torch.Tensor,
-        num_tiles: list[int],
-        tile_partition_indices: torch.LongTensor,
-        non_pad_index: torch.LongTensor,
+        attn_metadata: VideoSparseAttentionMetadata,
     ) -> torch.Tensor:
+        num_tiles = attn_metadata.num_tiles
         t_padded_size = num_tiles[0] * VSA_TILE_SIZE[0]
         h_padded_size = num_tiles[1] * VSA_TILE_SIZE[1]
         w_padded_size = num_tiles[2] * VSA_TILE_SIZE[2]
-
-        x_padded = torch.zeros(
-            (
-                x.shape[0],
-                t_padded_size * h_padded_size * w_padded_size,
-                x.shape[-2],
-                x.shape[-1],
-            ),
-            device=x.device,
-            dtype=x.dtype,
+        target_shape = (
+            x.shape[0],
+            t_padded_size * h_padded_size * w_padded_size,
+            x.shape[-2],
+            x.shape[-1],
         )
-        x_padded[:, non_pad_index] = x[:, tile_partition_indices]
-        return x_padded
+
+        buf = attn_metadata.tile_buf
+        if (
+            buf is None
+            or buf.shape != target_shape
+            or buf.dtype != x.dtype
+            or buf.device != x.device
+        ):
+            buf = torch.zeros(target_shape, device=x.device, dtype=x.dtype)
+            attn_metadata.tile_buf = buf
+
+        buf[:, attn_metadata.non_pad_index] = x[:, attn_metadata.tile_partition_indices]
+        return buf
 
     def untile(
         self,
         x: torch.Tensor,
-        reverse_tile_partition_indices: torch.LongTensor,
-        non_pad_index: torch.LongTensor,
+        untile_combined_index: torch.LongTensor,
     ) -> torch.Tensor:
-        x = x[:, non_pad_index][:, reverse_tile_partition_indices]
-        return x
+        return x[:, untile_combined_index]
 
     def preprocess_qkv(
         self,
         qkv: torch.Tensor,
         attn_metadata: VideoSparseAttentionMetadata,
     ) -> torch.Tensor:
-        return self.tile(
-            qkv,
-            attn_metadata.num_tiles,
-            attn_metadata.tile_partition_indices,
-            attn_metadata.non_pad_index,
-        )
+        return self.tile(qkv, attn_metadata)
 
     def postprocess_output(
         self,
         output: torch.Tensor,
         attn_metadata: VideoSparseAttentionMetadata,
     ) -> torch.Tensor:
-        return self.untile(
-            output,
-            attn_metadata.reverse_tile_partition_indices,
-            attn_metadata.non_pad_index,
-        )
+        return self.untile(output, attn_metadata.untile_combined_index)
 
     def forward(  # type: ignore[override]
         self,
@@ -310,12 +305,7 @@ class VideoSparseAttentionImpl(AttentionImpl):
         value = value.transpose(1, 2).contiguous()
         gate_compress = gate_compress.transpose(1, 2).contiguous()
 
-        VSA_sparsity = attn_metadata.VSA_sparsity
-
-        cur_topk = math.ceil(
-            (1 - VSA_sparsity)
-            * (attn_metadata.total_seq_length / math.prod(VSA_TILE_SIZE))
-        )
+        cur_topk = _compute_cur_topk(attn_metadata)
 
         if video_sparse_attn is None:
             raise NotImplementedError("video_sparse_attn is not installed")

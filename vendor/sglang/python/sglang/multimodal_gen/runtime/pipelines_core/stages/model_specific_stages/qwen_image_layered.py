@@ -1,4 +1,3 @@
-import inspect
 import math
 from typing import List, Optional, Union
 
@@ -9,13 +8,62 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from sglang.multimodal_gen.runtime.distributed import get_local_torch_device
 from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
-from sglang.multimodal_gen.runtime.models.vision_utils import load_image
+from sglang.multimodal_gen.runtime.managers.memory_managers.component_manager import (
+    ComponentUse,
+)
+from sglang.multimodal_gen.runtime.pipelines_core.diffusion_scheduler_utils import (
+    retrieve_timesteps,
+)
 from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
 from sglang.multimodal_gen.runtime.pipelines_core.stages.base import PipelineStage
 from sglang.multimodal_gen.runtime.server_args import ServerArgs
 from sglang.multimodal_gen.runtime.utils.logging_utils import init_logger
+from sglang.multimodal_gen.runtime.utils.precision import align_tensor_to_module_dtype
+from sglang.multimodal_gen.runtime.utils.vision import load_image
 
 logger = init_logger(__name__)
+
+
+def _resolve_text_encoder_dtype(
+    text_encoder: object, fallback: torch.dtype = torch.bfloat16
+) -> torch.dtype:
+    module_dtype = getattr(text_encoder, "dtype", None)
+    if isinstance(module_dtype, torch.dtype):
+        return module_dtype
+
+    for tensor_source in ("parameters", "buffers"):
+        tensors = getattr(text_encoder, tensor_source, None)
+        if not callable(tensors):
+            continue
+        try:
+            for tensor in tensors():
+                if isinstance(tensor, torch.Tensor) and torch.is_floating_point(tensor):
+                    return tensor.dtype
+        except TypeError as exc:
+            logger.warning(
+                "Failed to inspect text encoder %s() for dtype: %s",
+                tensor_source,
+                exc,
+            )
+
+    return fallback
+
+
+def _seq_lens_from_optional_mask(
+    prompt_embeds: torch.Tensor, prompt_embeds_mask: torch.Tensor | None
+) -> list[int]:
+    """Return real text lengths, treating a missing mask as all tokens valid."""
+    if prompt_embeds_mask is None:
+        return [int(prompt_embeds.shape[1])] * int(prompt_embeds.shape[0])
+    return [int(x) for x in prompt_embeds_mask.sum(dim=1).tolist()]
+
+
+def _resolve_layered_image_path(image_path: str | list[str]) -> str:
+    if isinstance(image_path, str):
+        return image_path
+    if isinstance(image_path, list) and image_path:
+        return image_path[0]
+    raise ValueError("Qwen-Image-Layered requires a non-empty image_path.")
 
 
 # Copied from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus.calculate_dimensions
@@ -43,87 +91,23 @@ def retrieve_latents(
         return encoder_output
 
 
-# Copied from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion.retrieve_timesteps
-def retrieve_timesteps(
-    scheduler,
-    num_inference_steps: Optional[int] = None,
-    device: Optional[Union[str, torch.device]] = None,
-    timesteps: Optional[List[int]] = None,
-    sigmas: Optional[List[float]] = None,
-    **kwargs,
-):
-    r"""
-    Calls the scheduler's `set_timesteps` method and retrieves timesteps from the scheduler after the call. Handles
-    custom timesteps. Any kwargs will be supplied to `scheduler.set_timesteps`.
-
-    Args:
-        scheduler (`SchedulerMixin`):
-            The scheduler to get timesteps from.
-        num_inference_steps (`int`):
-            The number of diffusion steps used when generating samples with a pre-trained model. If used, `timesteps`
-            must be `None`.
-        device (`str` or `torch.device`, *optional*):
-            The device to which the timesteps should be moved to. If `None`, the timesteps are not moved.
-        timesteps (`List[int]`, *optional*):
-            Custom timesteps used to override the timestep spacing strategy of the scheduler. If `timesteps` is passed,
-            `num_inference_steps` and `sigmas` must be `None`.
-        sigmas (`List[float]`, *optional*):
-            Custom sigmas used to override the timestep spacing strategy of the scheduler. If `sigmas` is passed,
-            `num_inference_steps` and `timesteps` must be `None`.
-
-    Returns:
-        `Tuple[torch.Tensor, int]`: A tuple where the first element is the timestep schedule from the scheduler and the
-        second element is the number of inference steps.
-    """
-    if timesteps is not None and sigmas is not None:
-        raise ValueError(
-            "Only one of `timesteps` or `sigmas` can be passed. Please choose one to set custom values"
-        )
-    if timesteps is not None:
-        accepts_timesteps = "timesteps" in set(
-            inspect.signature(scheduler.set_timesteps).parameters.keys()
-        )
-        if not accepts_timesteps:
-            raise ValueError(
-                f"The current scheduler class {scheduler.__class__}'s `set_timesteps` does not support custom"
-                f" timestep schedules. Please check whether you are using the correct scheduler."
-            )
-        scheduler.set_timesteps(timesteps=timesteps, device=device, **kwargs)
-        timesteps = scheduler.timesteps
-        num_inference_steps = len(timesteps)
-    elif sigmas is not None:
-        accept_sigmas = "sigmas" in set(
-            inspect.signature(scheduler.set_timesteps).parameters.keys()
-        )
-        if not accept_sigmas:
-            raise ValueError(
-                f"The current scheduler class {scheduler.__class__}'s `set_timesteps` does not support custom"
-                f" sigmas schedules. Please check whether you are using the correct scheduler."
-            )
-        scheduler.set_timesteps(sigmas=sigmas, device=device, **kwargs)
-        timesteps = scheduler.timesteps
-        num_inference_steps = len(timesteps)
-    else:
-        scheduler.set_timesteps(num_inference_steps, device=device, **kwargs)
-        timesteps = scheduler.timesteps
-    return timesteps, num_inference_steps
-
-
 class QwenImageLayeredBeforeDenoisingStage(PipelineStage):
     def __init__(
-        self, vae, tokenizer, processor, transformer, scheduler, model_path
+        self,
+        vae,
+        text_encoder,
+        tokenizer,
+        processor,
+        transformer,
+        scheduler,
+        vae_dtype: torch.dtype,
+        text_encoder_dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.vae = vae.to(torch.bfloat16)
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
-        self.text_encoder = (
-            Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                model_path, subfolder="text_encoder"
-            )
-            .to(get_local_torch_device())
-            .to(torch.bfloat16)
-        )
+        self.vae = vae.to(dtype=vae_dtype)
+        self.vae_dtype = vae_dtype
+        self.text_encoder_dtype = text_encoder_dtype
+        self.text_encoder = text_encoder
         self.tokenizer = tokenizer
         self.processor = processor
         self.transformer = transformer
@@ -138,6 +122,8 @@ class QwenImageLayeredBeforeDenoisingStage(PipelineStage):
         self.vl_processor = processor
         self.tokenizer_max_length = 1024
         self.latent_channels = self.vae.z_dim if getattr(self, "vae", None) else 16
+        # (dtype, device) -> latent mean/std, uploaded once
+        self.latent_stats = {}
 
         self.prompt_template_encode = "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
         self.prompt_template_encode_start_idx = 34
@@ -156,7 +142,23 @@ colors, textures, atmosphere, and so on\n - Identify the text clearly visible in
 explanation, and highlight it in the caption with quotation marks\n3. Maintain authenticity and accuracy:\n - Avoid
 generalizations\n - Describe all visible information in the image, while do not add information not explicitly shown in
 the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>assistant\n"""
-        self.default_sample_size = 128
+
+    def component_uses(
+        self, server_args: ServerArgs, stage_name: str | None = None
+    ) -> list[ComponentUse]:
+        stage_name = self._component_stage_name(stage_name)
+        return [
+            ComponentUse(
+                stage_name,
+                "text_encoder",
+                target_dtype=self.text_encoder_dtype,
+            ),
+            ComponentUse(
+                stage_name,
+                "vae",
+                target_dtype=self.vae_dtype,
+            ),
+        ]
 
     # Copied from diffusers.pipelines.qwenimage.pipeline_qwenimage.QwenImagePipeline._extract_masked_hidden
     def _extract_masked_hidden(self, hidden_states: torch.Tensor, mask: torch.Tensor):
@@ -199,7 +201,7 @@ the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>as
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ):
-        dtype = dtype or self.text_encoder.dtype
+        dtype = dtype or _resolve_text_encoder_dtype(self.text_encoder)
 
         prompt = [prompt] if isinstance(prompt, str) else prompt
 
@@ -211,11 +213,12 @@ the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>as
             padding=True,
             return_tensors="pt",
         ).to(device)
-        encoder_hidden_states = self.text_encoder(
-            input_ids=txt_tokens.input_ids,
-            attention_mask=txt_tokens.attention_mask,
-            output_hidden_states=True,
-        )
+        with set_forward_context(current_timestep=0, attn_metadata=None):
+            encoder_hidden_states = self.text_encoder(
+                input_ids=txt_tokens.input_ids,
+                attention_mask=txt_tokens.attention_mask,
+                output_hidden_states=True,
+            )
         hidden_states = encoder_hidden_states.hidden_states[-1]
         split_hidden_states = self._extract_masked_hidden(
             hidden_states, txt_tokens.attention_mask
@@ -293,37 +296,44 @@ the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>as
         prompt_embeds_mask = prompt_embeds_mask.repeat(1, num_images_per_prompt, 1)
         prompt_embeds_mask = prompt_embeds_mask.view(num_images_per_prompt, seq_len)
 
+        if prompt_embeds_mask is not None and prompt_embeds_mask.all():
+            prompt_embeds_mask = None
+
         return prompt_embeds, prompt_embeds_mask
 
     # Copied from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit.QwenImageEditPipeline._encode_vae_image
     def _encode_vae_image(self, image: torch.Tensor, generator: torch.Generator):
-        self.vae = self.vae.to(get_local_torch_device())
-        if isinstance(generator, list):
-            image_latents = [
-                retrieve_latents(
-                    self.vae.encode(image[i : i + 1]),
-                    generator=generator[i],
-                    sample_mode="argmax",
+        with self.use_declared_component(component_name="vae", module=self.vae) as vae:
+            assert vae is not None
+            self.vae = vae
+            image = align_tensor_to_module_dtype(image, self.vae)
+            if isinstance(generator, list):
+                image_latents = [
+                    retrieve_latents(
+                        self.vae.encode(image[i : i + 1]),
+                        generator=generator[i],
+                        sample_mode="argmax",
+                    )
+                    for i in range(image.shape[0])
+                ]
+                image_latents = torch.cat(image_latents, dim=0)
+            else:
+                image_latents = retrieve_latents(
+                    self.vae.encode(image), generator=generator, sample_mode="argmax"
                 )
-                for i in range(image.shape[0])
-            ]
-            image_latents = torch.cat(image_latents, dim=0)
-        else:
-            image_latents = retrieve_latents(
-                self.vae.encode(image), generator=generator, sample_mode="argmax"
+        stats_key = (image_latents.dtype, image_latents.device)
+        if stats_key not in self.latent_stats:
+            self.latent_stats[stats_key] = tuple(
+                torch.tensor(values)
+                .view(1, self.latent_channels, 1, 1, 1)
+                .to(image_latents.device, image_latents.dtype)
+                for values in (
+                    self.vae.config.latents_mean,
+                    self.vae.config.latents_std,
+                )
             )
-        latents_mean = (
-            torch.tensor(self.vae.config.latents_mean)
-            .view(1, self.latent_channels, 1, 1, 1)
-            .to(image_latents.device, image_latents.dtype)
-        )
-        latents_std = (
-            torch.tensor(self.vae.config.latents_std)
-            .view(1, self.latent_channels, 1, 1, 1)
-            .to(image_latents.device, image_latents.dtype)
-        )
+        latents_mean, latents_std = self.latent_stats[stats_key]
         image_latents = (image_latents - latents_mean) / latents_std
-        self.vae.to("cpu")
         return image_latents
 
     def prepare_latents(
@@ -353,7 +363,7 @@ the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>as
 
         image_latents = None
         if image is not None:
-            image = image.to(device=device, dtype=dtype)
+            image = align_tensor_to_module_dtype(image, self.vae, device=device)
             if image.shape[1] != self.latent_channels:
                 image_latents = self._encode_vae_image(image=image, generator=generator)
             else:
@@ -412,17 +422,17 @@ the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>as
         batch: Req,
         server_args: ServerArgs,
     ) -> Req:
-        use_en_prompt = True
+        use_en_prompt = batch.use_en_prompt
         device = get_local_torch_device()
         layers = batch.num_frames
         num_inference_steps = batch.num_inference_steps
         generator = batch.generator
 
         assert batch.image_path is not None
-        image = load_image(batch.image_path[0])
+        image = load_image(_resolve_layered_image_path(batch.image_path))
         image = image.convert("RGBA")
         image_size = image.size
-        resolution = 640  # TODO: support user-specified resolution
+        resolution = server_args.pipeline_config.resolution
         calculated_width, calculated_height = calculate_dimensions(
             resolution * resolution, image_size[0] / image_size[1]
         )
@@ -433,6 +443,8 @@ the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>as
         multiple_of = self.vae_scale_factor * 2
         width = width // multiple_of * multiple_of
         height = height // multiple_of * multiple_of
+        batch.width = width
+        batch.height = height
 
         # if image is not None and not (isinstance(image, torch.Tensor) and image.size(1) == self.latent_channels):
         image = self.image_processor.resize(image, calculated_height, calculated_width)
@@ -441,21 +453,29 @@ the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>as
             image, calculated_height, calculated_width
         )
         image = image.unsqueeze(2)
-        image = image.to(dtype=torch.bfloat16)
+        image = align_tensor_to_module_dtype(image, self.vae, device=device)
 
-        prompt = self.get_image_caption(
-            prompt_image, use_en_prompt=use_en_prompt, device=device
-        )
+        prompt = batch.prompt
+        with self.use_declared_component(
+            component_name="text_encoder",
+            module=self.text_encoder,
+        ) as text_encoder:
+            assert text_encoder is not None
+            self.text_encoder = text_encoder
+            if not prompt or prompt.isspace():
+                prompt = self.get_image_caption(
+                    prompt_image, use_en_prompt=use_en_prompt, device=device
+                )
 
-        prompt_embeds, prompt_embeds_mask = self.encode_prompt(
-            prompt=prompt,
-            device=device,
-        )
+            prompt_embeds, prompt_embeds_mask = self.encode_prompt(
+                prompt=prompt,
+                device=device,
+            )
 
-        negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(
-            prompt=batch.negative_prompt,
-            device=device,
-        )
+            negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(
+                prompt=batch.negative_prompt,
+                device=device,
+            )
 
         num_channels_latents = self.transformer.config.in_channels // 4
         latents, image_latents = self.prepare_latents(
@@ -488,38 +508,34 @@ the image\n<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n<|im_start|>as
         ]
 
         # 5. Prepare timesteps
+        scheduler = self.scheduler
         sigmas = np.linspace(1.0, 0, num_inference_steps + 1)[:-1]
-        image_seq_len = latents.shape[1]
         base_seqlen = 256 * 256 / 16 / 16
         mu = (image_latents.shape[1] / base_seqlen) ** 0.5
         timesteps, num_inference_steps = retrieve_timesteps(
-            self.scheduler,
+            scheduler,
             num_inference_steps,
             device,
             sigmas=sigmas,
             mu=mu,
         )
 
-        txt_seq_lens = (
-            prompt_embeds_mask.sum(dim=1).tolist()
-            if prompt_embeds_mask is not None
-            else None
+        txt_seq_lens = _seq_lens_from_optional_mask(prompt_embeds, prompt_embeds_mask)
+        negative_txt_seq_lens = _seq_lens_from_optional_mask(
+            negative_prompt_embeds, negative_prompt_embeds_mask
         )
-        negative_txt_seq_lens = (
-            negative_prompt_embeds_mask.sum(dim=1).tolist()
-            if negative_prompt_embeds_mask is not None
-            else None
-        )
-        is_rgb = torch.tensor([0]).to(device=device, dtype=torch.long)
-
         batch.prompt_embeds = [prompt_embeds]
         batch.prompt_embeds_mask = [prompt_embeds_mask]
+        batch.prompt_seq_lens = [txt_seq_lens]
         batch.negative_prompt_embeds = [negative_prompt_embeds]
         batch.negative_prompt_embeds_mask = [negative_prompt_embeds_mask]
+        batch.negative_prompt_seq_lens = [negative_txt_seq_lens]
         batch.latents = latents
         batch.image_latent = image_latents
+        batch.timesteps = timesteps
+        batch.scheduler = scheduler
         batch.num_inference_steps = num_inference_steps
-        batch.sigmas = sigmas.tolist()  # Convert numpy array to list for validation
+        batch.sigmas = None
         batch.generator = torch.manual_seed(0)
         batch.original_condition_image_size = image_size
         batch.raw_latent_shape = latents.shape

@@ -1,6 +1,7 @@
 # Adapted from https://github.com/vllm-project/vllm/tree/main/vllm/model_executor/layers/quantization/compressed_tensors
 # SPDX-License-Identifier: Apache-2.0
 
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 from abc import abstractmethod
 from typing import TYPE_CHECKING, Optional
 
@@ -67,6 +68,8 @@ class CompressedTensorsMoEScheme(BaseMoEScheme):
     of different quantization schemes supported by CompressedTensors.
     """
 
+    load_up_proj_weight_first = False
+
     @classmethod
     def get_min_capability(cls) -> int:
         """
@@ -95,6 +98,9 @@ class CompressedTensorsMoEScheme(BaseMoEScheme):
         needs to occur.
         """
         raise NotImplementedError
+
+    def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
+        return
 
     @abstractmethod
     def apply_weights(

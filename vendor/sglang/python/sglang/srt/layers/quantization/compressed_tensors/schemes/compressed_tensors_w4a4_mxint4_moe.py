@@ -6,17 +6,21 @@ from typing import TYPE_CHECKING
 import torch
 from compressed_tensors import CompressionFormat
 
-from sglang.srt.distributed import get_moe_expert_parallel_rank, get_tp_group
 from sglang.srt.distributed.device_communicators.pynccl_allocator import (
     use_symmetric_memory,
 )
 from sglang.srt.layers.dp_attention import is_allocation_symmetric
 from sglang.srt.layers.moe import MoeRunnerConfig
-from sglang.srt.layers.moe.utils import RoutingMethodType, get_moe_runner_backend
+from sglang.srt.layers.moe.utils import (
+    MoeRunnerBackend,
+    RoutingMethodType,
+    get_moe_runner_backend,
+)
 from sglang.srt.layers.quantization.compressed_tensors.schemes import (
     CompressedTensorsMoEScheme,
 )
 from sglang.srt.layers.quantization.utils import replace_parameter
+from sglang.srt.runtime_context import get_parallel
 from sglang.srt.utils import is_flashinfer_available, next_power_of_2, set_weight_attrs
 
 logger = logging.getLogger(__name__)
@@ -24,6 +28,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["CompressedTensorsMxInt4MoE"]
 
 if TYPE_CHECKING:
+    from compressed_tensors.quantization import QuantizationArgs
+
     from sglang.srt.layers.moe.token_dispatcher import (
         CombineInput,
         StandardDispatchOutput,
@@ -45,9 +51,13 @@ if is_flashinfer_available():
 
 
 class CompressedTensorsMxInt4MoE(CompressedTensorsMoEScheme):
-    def __init__(self, quant_config: CompressedTensorsConfig):
+    def __init__(
+        self, quant_config: CompressedTensorsConfig, weight_quant: QuantizationArgs
+    ):
         self.quant_config = quant_config
-        config = self.quant_config.target_scheme_map["Linear"].get("weights")
+        # Per-layer scheme already resolved by get_moe_scheme(); reuse it directly
+        # (mixed-precision MoE has no "Linear" config group to fall back on).
+        config = weight_quant
         self.num_bits = config.num_bits
         self.packed_factor = 32 // config.num_bits
         self.strategy = config.strategy
@@ -59,13 +69,12 @@ class CompressedTensorsMxInt4MoE(CompressedTensorsMoEScheme):
             and config.num_bits == 4
         ), "MxInt4 only supports group strategy with group size 32"
         assert config.symmetric, "Only symmetric quantization is supported for MoE"
-        assert (
-            get_moe_runner_backend().is_flashinfer_trtllm()
-        ), "MxInt4 only supports flashinfer_trtllm backend"
-        assert (
-            not config.actorder
-        ), "Actorder is not supported by flashinfer_trtllm backend"
-        self.moe_ep_rank = get_moe_expert_parallel_rank()
+        assert get_moe_runner_backend().is_flashinfer_trtllm(), (
+            "MxInt4 only supports flashinfer_trtllm backend"
+        )
+        assert not config.actorder, (
+            "Actorder is not supported by flashinfer_trtllm backend"
+        )
 
         if self.quant_config.quant_format != CompressionFormat.pack_quantized.value:
             raise ValueError(
@@ -88,9 +97,9 @@ class CompressedTensorsMxInt4MoE(CompressedTensorsMoEScheme):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ):
-        assert (
-            params_dtype == torch.bfloat16
-        ), f"Params dtype should be torch.bfloat16, but got: {params_dtype}"
+        assert params_dtype == torch.bfloat16, (
+            f"Params dtype should be torch.bfloat16, but got: {params_dtype}"
+        )
 
         extra_weight_attrs.update({"quant_method": self.strategy})
         w13_weight = torch.nn.Parameter(
@@ -287,27 +296,26 @@ class CompressedTensorsMxInt4MoE(CompressedTensorsMoEScheme):
     ):
         self.moe_runner_config = moe_runner_config
 
-    def apply(
+    def get_moe_runner_backend(self, layer):
+        return MoeRunnerBackend.FLASHINFER_TRTLLM
+
+    def apply_weights(
         self,
         layer: torch.nn.Module,
         dispatch_output: StandardDispatchOutput,
     ) -> CombineInput:
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
-        assert (
-            self.moe_runner_config.is_gated
-        ), "Only gated MoEs are supported for flashinfer mxint4"
+        assert self.moe_runner_config.is_gated, (
+            "Only gated MoEs are supported for flashinfer mxint4"
+        )
 
         x = dispatch_output.hidden_states
         topk_output = dispatch_output.topk_output
 
         router_logits = topk_output.router_logits
         topk_config = topk_output.topk_config
-        correction_bias = (
-            None
-            if topk_config.correction_bias is None
-            else topk_config.correction_bias.to(x.dtype)
-        )
+        correction_bias = topk_config.correction_bias
 
         local_num_experts = self.moe_runner_config.num_local_experts
         routing_method_type = layer.routing_method_type
@@ -322,7 +330,7 @@ class CompressedTensorsMxInt4MoE(CompressedTensorsMoEScheme):
         )
 
         with use_symmetric_memory(
-            get_tp_group(), disabled=not is_allocation_symmetric()
+            get_parallel().tp_group, disabled=not is_allocation_symmetric()
         ):
             num_tokens = x.shape[0]
             hidden_size = x.shape[-1]
@@ -330,7 +338,7 @@ class CompressedTensorsMxInt4MoE(CompressedTensorsMoEScheme):
                 num_tokens, hidden_size, dtype=torch.bfloat16, device=x.device
             )
 
-        output = trtllm_mxint4_block_scale_moe(
+        trtllm_mxint4_block_scale_moe(
             routing_logits=router_logits,  # float
             routing_bias=correction_bias,
             hidden_states=x,
@@ -346,7 +354,7 @@ class CompressedTensorsMxInt4MoE(CompressedTensorsMoEScheme):
             n_group=topk_config.num_expert_group,
             topk_group=topk_config.topk_group,
             intermediate_size=self.moe_runner_config.intermediate_size_per_partition,
-            local_expert_offset=self.moe_ep_rank * local_num_experts,
+            local_expert_offset=self.moe_runner_config.moe_ep_rank * local_num_experts,
             local_num_experts=local_num_experts,
             routed_scaling_factor=routed_scaling_factor,
             routing_method_type=routing_method_type,
@@ -354,4 +362,4 @@ class CompressedTensorsMxInt4MoE(CompressedTensorsMoEScheme):
             output=symm_output,
         )
 
-        return StandardCombineInput(hidden_states=output)
+        return StandardCombineInput(hidden_states=symm_output)

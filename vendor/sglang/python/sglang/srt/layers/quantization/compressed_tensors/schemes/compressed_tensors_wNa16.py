@@ -1,6 +1,7 @@
 # Adapted from https://github.com/vllm-project/vllm/tree/main/vllm/model_executor/layers/quantization/compressed_tensors
 # SPDX-License-Identifier: Apache-2.0
 
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 import logging
 from typing import Callable, Optional
 
@@ -43,14 +44,14 @@ from sglang.srt.utils import is_cuda
 _is_cuda = is_cuda()
 
 if _is_cuda:
-    from sglang.jit_kernel.gptq_marlin_repack import gptq_marlin_repack
+    from sglang.kernels.ops.quantization.gptq_marlin_repack import gptq_marlin_repack
 
 
 ScalarType, scalar_types = get_scalar_types()
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompressedTensorsWNA16"]
+__all__ = ["CompressedTensorsWNA16", "XPUCompressedTensorsWNA16"]
 WNA16_SUPPORTED_TYPES_MAP = {
     4: scalar_types.uint4b8,
     8: scalar_types.uint8b128
@@ -337,3 +338,52 @@ class CompressedTensorsWNA16(CompressedTensorsLinearScheme):
             is_k_full=self.is_k_full,
             bias=bias,
         )
+
+
+class XPUCompressedTensorsWNA16(CompressedTensorsWNA16):
+    """WNA16 on Intel XPU: Using torch's int4pack op."""
+
+    def __init__(self,
+                 strategy: str,
+                 num_bits: int,
+                 group_size: Optional[int] = None,
+                 symmetric: Optional[bool] = True,
+                 actorder: Optional[ActivationOrdering] = None):
+        super().__init__(strategy, num_bits, group_size, symmetric, actorder)
+
+        from sglang.srt.hardware_backend.xpu.quantization.compressed_tensors_wna16_kernels import (
+            CompressedTensorsWNA16XPULinearKernel,
+        )
+        from sglang.srt.hardware_backend.xpu.quantization.int4pack_utils import (
+            SUPPORTED_GROUP_SIZES,
+        )
+
+        # _weight_int4pack_mm_with_scales_and_zeros cannot express any of these,
+        # so reject at construction rather than after the weights are loaded.
+        if num_bits != 4:
+            raise NotImplementedError(
+                f"compressed-tensors WNA16 on XPU supports 4-bit weights only, "
+                f"got num_bits={num_bits}.")
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise NotImplementedError(
+                f"compressed-tensors WNA16 on XPU requires group_size in "
+                f"{SUPPORTED_GROUP_SIZES}, got {self.group_size} "
+                "(channelwise/-1 is out of scope).")
+        if not self.symmetric:
+            raise NotImplementedError(
+                "compressed-tensors WNA16 on XPU only supports symmetric weight "
+                "quantization; this checkpoint carries a weight zero-point.")
+        if self.has_g_idx:
+            raise NotImplementedError(
+                "compressed-tensors WNA16 on XPU does not support activation "
+                "reordering (actorder=group).")
+
+        self.kernel = CompressedTensorsWNA16XPULinearKernel(
+            group_size=self.group_size)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.kernel.process_weights_after_loading(layer)
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.kernel.apply(layer, x, bias)

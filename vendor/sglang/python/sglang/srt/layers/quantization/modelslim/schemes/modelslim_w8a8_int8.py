@@ -1,6 +1,7 @@
 # Adapted from https://github.com/vllm-project/vllm/tree/main/vllm/model_executor/layers/quantization/compressed_tensors
 # SPDX-License-Identifier: Apache-2.0
 
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 from typing import Dict, List, Optional
 
 import torch
@@ -18,7 +19,6 @@ from sglang.srt.layers.quantization.modelslim.schemes import ModelSlimLinearSche
 
 
 class ModelSlimW8A8Int8(ModelSlimLinearScheme):
-
     def __init__(
         self,
         quant_config: Dict[str, any],

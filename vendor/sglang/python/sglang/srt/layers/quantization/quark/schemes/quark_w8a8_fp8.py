@@ -5,16 +5,17 @@ from typing import Any, Callable, Optional, cast
 import torch
 from torch.nn import Parameter
 
+from sglang.kernels.ops.quantization.fp8_kernel import is_fp8_fnuz
 from sglang.srt.layers.parameter import (
     ChannelQuantScaleParameter,
     ModelWeightParameter,
     PerTensorScaleParameter,
 )
-from sglang.srt.layers.quantization.fp8_kernel import is_fp8_fnuz
 from sglang.srt.layers.quantization.fp8_utils import (
     apply_fp8_linear,
     cutlass_fp8_supported,
     normalize_e4m3fn_to_e4m3fnuz,
+    use_aiter_bpreshuffle_gemm,
 )
 from sglang.srt.layers.quantization.quark.schemes import QuarkLinearScheme
 from sglang.srt.layers.quantization.utils import requantize_with_max_scale
@@ -28,9 +29,10 @@ _use_aiter = get_bool_env_var("SGLANG_USE_AITER") and _is_hip
 if _use_aiter:
     from aiter.ops.shuffle import shuffle_weight
 
+    from sglang.kernels.ops.gemm.smallm_fp8_gfx950 import smallm_fp8_gemm_enabled
+
 
 class QuarkW8A8Fp8(QuarkLinearScheme):
-
     def __init__(
         self, weight_config: dict[str, Any], input_config: Optional[dict[str, Any]]
     ):
@@ -94,9 +96,24 @@ class QuarkW8A8Fp8(QuarkLinearScheme):
                     layer.input_scale = Parameter(input_scale, requires_grad=False)
             else:
                 weight_scale = layer.weight_scale.data
+            if _is_hip and weight.shape[0] % 16 != 0:
+                # hipBLASLt needs the GEMM's N to be a multiple of 16 and
+                # torch._scaled_mm raises instead of padding. A narrow output
+                # partition cannot satisfy that at any batch size (Kimi-K3's KDA
+                # b_proj emits one beta channel per head, 12 at TP=8), so serve
+                # this linear dequantized; at that width it is memory-bound.
+                layer.weight = Parameter(
+                    (weight.to(torch.float32) * weight_scale.view(-1, 1))
+                    .to(self.out_dtype)
+                    .t(),
+                    requires_grad=False,
+                )
+                layer.weight_scale = None
+                layer.input_scale = None
+                return
             if self.per_token:
                 weight_scale = weight_scale.view(-1, 1)
-            if _use_aiter:
+            if use_aiter_bpreshuffle_gemm(weight.shape[0]):
                 layer.weight = Parameter(
                     shuffle_weight(weight, (16, 16)).t(), requires_grad=False
                 )
@@ -174,12 +191,36 @@ class QuarkW8A8Fp8(QuarkLinearScheme):
         x: torch.Tensor,
         bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        # Activations must be a plain bf16 tensor: per-channel FP8 (weight_scale
+        # [N, 1]) is gated off the aiter fused RMSNorm+quant kernel upstream by
+        # _is_block_scale_fp8, so the per-token quant happens in apply_fp8_linear.
+        # The one exception is the per-token (fp8, scale [M, 1]) pair that the
+        # Qwen3.5 SGLANG_ROCM_SMALLM_FP8_PROJ producers send on gfx950.
+        input_scale = layer.input_scale
+        if isinstance(x, tuple) and _use_aiter and smallm_fp8_gemm_enabled():
+            x, input_scale = x
+            assert (
+                self.per_token
+                and layer.weight_scale is not None
+                and x.dtype == torch.float8_e4m3fn
+                and input_scale.dtype == torch.float32
+                and input_scale.numel() == x.shape[0]
+            ), "quark W8A8 FP8 only accepts a per-token (fp8, scale) tuple"
+        assert not isinstance(x, tuple), (
+            "quark W8A8 FP8 linear received a pre-quantized tuple; a fused "
+            "RMSNorm+quant producer was not gated off by _is_block_scale_fp8 "
+            "(per-channel FP8 must fall through to the plain bf16 path)."
+        )
+        if _is_hip and layer.weight_scale is None:
+            # Dequantized at load; weight is [in, out] like the fp8 path's.
+            output = torch.matmul(x, layer.weight)
+            return output if bias is None else output + bias
 
         return apply_fp8_linear(
             x,
             layer.weight,
             layer.weight_scale,
-            input_scale=layer.input_scale,
+            input_scale=input_scale,
             bias=bias,
             cutlass_fp8_supported=self.cutlass_fp8_supported,
             use_per_token_if_dynamic=self.per_token,

@@ -1,0 +1,1 @@
+"""Opt-in KPool metadata kernels; ordinary DSA kernels remain unchanged."""

@@ -1,0 +1,2 @@
+def make_name(name: str) -> str:
+    return f"dpsk_v4_{name}"

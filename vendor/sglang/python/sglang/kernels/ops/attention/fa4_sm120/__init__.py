@@ -1,0 +1,1 @@
+"""SGLang-owned FlashAttention-4 kernels and launch policy for SM120."""

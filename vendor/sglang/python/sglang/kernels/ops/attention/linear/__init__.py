@@ -1,0 +1,1 @@
+"""Linear-attention kernels (RFC #29630, Phase 2.5)."""

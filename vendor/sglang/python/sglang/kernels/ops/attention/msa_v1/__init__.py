@@ -1,0 +1,1 @@
+"""Kernel wrappers for sparse attention quantized cache operations."""

@@ -1,0 +1,1 @@
+"""Activation-function fusions (SiLU/GLU/GELU epilogues)."""

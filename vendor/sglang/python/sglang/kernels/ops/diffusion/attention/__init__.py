@@ -1,0 +1,1 @@
+"""Diffusion attention kernels: sparse linear attention and gated delta-net."""

@@ -1,0 +1,1 @@
+"""GEMMs with fused epilogues."""

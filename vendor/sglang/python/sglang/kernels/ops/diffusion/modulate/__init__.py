@@ -1,0 +1,1 @@
+"""adaLN modulation: ``x * (1 + scale) + shift``, gating, and timestep conditioning."""

@@ -1,0 +1,1 @@
+"""CuTe-DSL building blocks shared by the CUTLASS-backed norm fusions."""

@@ -1,0 +1,1 @@
+"""Block-scaled (MXFP8) activation quantizers with GEMM-ready scale layouts."""

@@ -1,0 +1,1 @@
+"""Rotary embeddings and the QK-norm chains fused around them."""

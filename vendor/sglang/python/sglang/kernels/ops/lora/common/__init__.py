@@ -1,0 +1,1 @@
+"""Shared LoRA routing, shrink and expand kernels."""

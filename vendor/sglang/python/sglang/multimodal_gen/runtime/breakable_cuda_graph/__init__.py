@@ -1,0 +1,1 @@
+"""Diffusion breakable CUDA graph runtime helpers."""

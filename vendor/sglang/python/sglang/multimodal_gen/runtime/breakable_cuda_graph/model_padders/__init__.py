@@ -1,0 +1,1 @@
+"""Model-specific prompt padders for diffusion breakable CUDA graph."""

@@ -1,0 +1,5 @@
+from sglang.multimodal_gen.runtime.models.upsampler.latent_upsampler import (
+    LatentUpsampler,
+)
+
+__all__ = ["LatentUpsampler"]

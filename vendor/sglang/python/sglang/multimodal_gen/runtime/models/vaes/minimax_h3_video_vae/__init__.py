@@ -1,0 +1,5 @@
+# SPDX-License-Identifier: Apache-2.0
+
+from .klvae import AutoencoderKLLegacy
+
+__all__ = ["AutoencoderKLLegacy"]

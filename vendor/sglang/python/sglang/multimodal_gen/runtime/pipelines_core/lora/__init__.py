@@ -1,0 +1,1 @@
+"""LoRA loading and pipeline integration."""

@@ -1,0 +1,1 @@
+"""Model-specific helpers and stages for diffusion pipeline components."""

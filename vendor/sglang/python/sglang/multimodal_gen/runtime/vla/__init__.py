@@ -1,0 +1,3 @@
+# SPDX-License-Identifier: Apache-2.0
+
+"""Shared VLA runtime contracts and execution infrastructure."""

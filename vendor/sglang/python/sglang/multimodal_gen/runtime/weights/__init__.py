@@ -1,0 +1,1 @@
+"""Weight source contracts shared by runtime loaders."""

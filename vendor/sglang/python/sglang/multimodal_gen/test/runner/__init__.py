@@ -1,0 +1,1 @@
+"""Shared helpers for multimodal_gen test runners."""

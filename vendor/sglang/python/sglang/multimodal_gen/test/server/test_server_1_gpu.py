@@ -1,0 +1,23 @@
+"""
+Config-driven diffusion performance test with pytest parametrization.
+
+
+If the actual run is significantly better than the baseline, the improved cases with their updated baseline will be printed
+"""
+
+from __future__ import annotations
+
+from sglang.multimodal_gen.test.server.common.case_fixtures import (
+    diffusion_case_fixture,
+)
+from sglang.multimodal_gen.test.server.gpu_cases import ONE_GPU_CASES
+from sglang.multimodal_gen.test.server.test_server_common import (  # noqa: F401
+    DiffusionServerBase,
+    diffusion_server,
+)
+
+
+class TestDiffusionServerOneGpu(DiffusionServerBase):
+    """Performance tests for 1-GPU diffusion cases."""
+
+    case = diffusion_case_fixture(ONE_GPU_CASES)

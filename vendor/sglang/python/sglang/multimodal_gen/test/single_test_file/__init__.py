@@ -1,0 +1,1 @@
+"""Standalone multimodal_gen test files run as CI single-file suites."""

@@ -1,0 +1,1 @@
+"""Component accuracy test helpers and suites."""

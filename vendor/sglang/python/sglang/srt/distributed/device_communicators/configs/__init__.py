@@ -1,0 +1,1 @@
+"""Tuned dispatch configs for device communicators."""

@@ -1,1 +1,0 @@
-# SGLang gRPC module

@@ -1,0 +1,1 @@
+# MUSA (Moore Threads GPU) hardware backend

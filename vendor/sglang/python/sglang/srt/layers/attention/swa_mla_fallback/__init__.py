@@ -1,0 +1,1 @@
+"""Fallback operations for sliding-window MLA attention paths."""

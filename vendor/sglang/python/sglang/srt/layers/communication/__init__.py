@@ -1,0 +1,1 @@
+"""Runtime integration and state for fused communication operators."""

@@ -1,0 +1,1 @@
+"""MoE LoRA execution plans, runner, and base-GEMM providers."""

@@ -1,0 +1,1 @@
+"""LMCache-backed KV cache integrations."""

@@ -1,0 +1,1 @@
+"""Expert-pack build, inspection, and validation utilities."""

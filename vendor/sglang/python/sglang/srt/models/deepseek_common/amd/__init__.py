@@ -1,0 +1,1 @@
+# AMD-specific DeepSeek common model helpers.

@@ -1,0 +1,1 @@
+"""Shared implementation modules for Dots3 models."""

@@ -1,0 +1,28 @@
+# Copyright 2026 SGLang Team
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+# ==============================================================================
+"""SRT adapter exports for Inkling multimodal preprocessing."""
+
+from sglang.srt.multimodal.inkling.feature_extraction import (
+    InklingAudioEncoderParams,
+    InklingAudioFeatureExtractor,
+)
+from sglang.srt.multimodal.inkling.image_processing import InklingImageProcessor
+from sglang.srt.multimodal.inkling.processing_inkling import InklingProcessor
+
+__all__ = [
+    "InklingImageProcessor",
+    "InklingAudioFeatureExtractor",
+    "InklingAudioEncoderParams",
+    "InklingProcessor",
+]

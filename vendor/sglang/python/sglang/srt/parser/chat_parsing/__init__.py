@@ -1,0 +1,22 @@
+# Copyright 2026 The HuggingFace Team. All rights reserved.
+# ruff: noqa
+# fmt: off
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Response parsing: convert model-emitted text into the assistant-message
+dict used by chat templates, driven by a declarative `response_template` spec."""
+
+from .response_parser import ResponseParser, parse_response
+
+__all__ = ["ResponseParser", "parse_response"]
+# fmt: on

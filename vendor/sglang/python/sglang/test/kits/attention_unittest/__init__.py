@@ -1,0 +1,1 @@
+"""Shared fixtures for manual attention backend unit tests."""

@@ -1,0 +1,1 @@
+"""Attention-method fixtures for attention backend unit tests."""

@@ -1,0 +1,1 @@
+"""Runner orchestration helpers for attention backend unit tests."""

@@ -1,0 +1,1 @@
+"""Shared fixtures and TreeCore inspectors for the UnifiedRadixCache unit tests."""

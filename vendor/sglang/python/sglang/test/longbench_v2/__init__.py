@@ -1,1 +1,0 @@
-"""LongBench-v2 auxiliary utilities and validation scripts."""
