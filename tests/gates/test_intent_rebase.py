@@ -1,14 +1,22 @@
-"""A rebase across a synthetic reformat and a synthetic move of the patched Glm4Moe gate
-ends `resolved` (the patch's intent re-applied with libcst), and the gate table's
-Glm4Moe rows hold on the result, judged by the real sglang on faked sm100 and sm120.
+"""A rebase across a synthetic reformat and a synthetic move of the Glm4Moe gate ends
+`resolved` (an intent re-applied with libcst), and the gate table's Glm4Moe rows hold on
+the result, judged by the real sglang on faked sm100 and sm120.
 
-Upstream here is a local git remote made from vendor/sglang: v0.5.9 as vendored,
-v0.5.10 with the gate reformatted, v0.5.11 with the whole override moved into a
-module of its own behind a registration decorator (as upstream did by 0.5.19).
+Upstream here is a local git remote made from vendor/sglang: v0.5.23 as vendored,
+v0.5.24 with the gate in arg_groups/model_overrides/glm4_moe.py reformatted, v0.5.25
+with that override module renamed (as upstream moves overrides between releases).
+
+The fork's own sm120-glm4-moe-runner.patch has no recipe at 0.5.23 (patches/intents.toml
+says why: the format cannot narrow the nested runner block back to SM100). So the fork
+copy here carries a patch derived from this test's RECIPE instead, the 0.5.9 recipe
+retargeted to glm4_moe.py: widen the SM100 gate to SM12x and switch flashinfer_trtllm
+to flashinfer_cutlass. On the NVFP4 scenarios it decides what the real patch decides
+(quantization modelopt_fp4, MoE flashinfer_cutlass), so the same rows judge it.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shutil
@@ -21,32 +29,48 @@ import pytest
 from .gate_harness import runner, spec, table
 
 ROOT = Path(__file__).resolve().parents[2]
-SA = "python/sglang/srt/server_args.py"
-MOVED_TO = "python/sglang/srt/model_overrides_glm4.py"
+OVERRIDES = "python/sglang/srt/arg_groups/model_overrides"
+GLM4 = f"{OVERRIDES}/glm4_moe.py"
+MOVED_TO = f"{OVERRIDES}/glm_moe_family.py"
+INIT = f"{OVERRIDES}/__init__.py"
+IMPORT = "from sglang.srt.arg_groups.model_overrides import glm4_moe  # noqa: F401\n"
+MOVED_IMPORT = "from sglang.srt.arg_groups.model_overrides import glm_moe_family  # noqa: F401\n"
 PATCH = "sm120-glm4-moe-runner.patch"
-GATE = "            if is_sm100_supported():\n                quantization_config = getattr("
+GATE = "    if get_platform().is_sm100:\n        quantization_config = getattr("
 REFORMATTED = (
-    "            if (\n                is_sm100_supported()\n            ):\n"
-    "                quantization_config = getattr("
+    "    if (\n        get_platform().is_sm100\n    ):\n        quantization_config = getattr("
 )
-HEADER = '        elif model_arch in ["Glm4MoeForCausalLM"]:\n'
-MODULE = '''\
-"""Config-time overrides for Glm4MoeForCausalLM (moved out of server_args.py)."""
+RECIPE = f"""\
+[[intent]]
+patch = "{PATCH}"
+says = "In the Glm4Moe override, SM12x takes the quant auto-detect and flashinfer_cutlass"
+anchor = "Glm4MoeForCausalLM"
+gate_admits = "sm100"
+include = "sm120"
+files = ["{GLM4}"]
 
-import logging
+[[intent.switch]]
+old = "flashinfer_trtllm"
+new = "flashinfer_cutlass"
 
-from sglang.srt.utils.common import check_pkg_version_at_least, is_sm100_supported
-
-logger = logging.getLogger(__name__)
-
-
-def _register_for(model_arch):
-    return lambda function: function
-
-
-@_register_for("Glm4MoeForCausalLM")
-def glm4_moe_overrides(self, hf_config):
-'''
+[[intent.switch]]
+old = "Use flashinfer_trtllm as MoE runner backend on sm100 for Glm4MoeForCausalLM"
+new = "Use flashinfer_cutlass as MoE runner backend on sm120 for Glm4MoeForCausalLM"
+"""
+DERIVE = """\
+import sys
+from pathlib import Path
+from sm120fork.intent.model import load_intents
+from sm120fork.intent.reapply import reapply
+fork, patch, path = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+intent = load_intents(fork / "patches" / "intents.toml")[patch]
+def read(name):
+    file = fork / "vendor" / "sglang" / name
+    return file.read_text() if file.is_file() else None
+result = reapply(intent, read, [path])
+assert result.status == "resolved", result.detail
+sys.stdout.write(result.changes[path])
+"""
 GIT_ENV = {
     "GIT_CONFIG_NOSYSTEM": "1",
     "GIT_AUTHOR_NAME": "Upstream",
@@ -64,17 +88,20 @@ def _run(cwd: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, check=False)
 
 
-def _moved(server_args: str) -> tuple[str, str]:
-    """server_args.py without the Glm4Moe block, and the module that now holds it."""
-    start = server_args.index(HEADER) + len(HEADER)
-    end = server_args.index("\n        elif model_arch in [", start)
-    block = server_args[start:end]
-    body = "".join(line[4:] if line.strip() else line for line in block.splitlines(True))
-    call = (
-        "            from sglang.srt.model_overrides_glm4 import glm4_moe_overrides\n\n"
-        "            glm4_moe_overrides(self, hf_config)\n"
+def _derived_patch(fork: Path, home: Path) -> str:
+    """The test recipe's patch for the pinned tree: the real header, the recipe's diff."""
+    derived = _run(fork, sys.executable, "-c", DERIVE, str(fork), PATCH, GLM4, home=home)
+    assert derived.returncode == 0, derived.stderr
+    before = (fork / "vendor" / "sglang" / GLM4).read_text()
+    diff = difflib.unified_diff(
+        before.splitlines(True),
+        derived.stdout.splitlines(True),
+        f"a/{GLM4}",
+        f"b/{GLM4}",
     )
-    return server_args[:start] + call + server_args[end:], MODULE + body + "\n"
+    real = (ROOT / "patches" / PATCH).read_text()
+    header = real[: real.index("\n---\n") + len("\n---\n")]
+    return header + f"diff --git a/{GLM4} b/{GLM4}\n" + "".join(diff)
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +117,16 @@ def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ob
         assert result.returncode == 0, result.stderr
 
     git(upstream, "init", "-q", ".")
-    for tag in ("v0.5.9", "v0.5.10", "v0.5.11"):
-        sa = upstream / SA
-        if tag == "v0.5.10":
-            sa.write_text(sa.read_text().replace(GATE, REFORMATTED, 1))
-        if tag == "v0.5.11":
-            remaining, module = _moved(sa.read_text())
-            sa.write_text(remaining)
-            (upstream / MOVED_TO).write_text(module)
+    for tag in ("v0.5.23", "v0.5.24", "v0.5.25"):
+        glm4 = upstream / GLM4
+        if tag == "v0.5.24":
+            assert GATE in glm4.read_text(), "the Glm4Moe gate moved upstream: update GATE"
+            glm4.write_text(glm4.read_text().replace(GATE, REFORMATTED, 1))
+        if tag == "v0.5.25":
+            init = upstream / INIT
+            assert IMPORT in init.read_text()
+            init.write_text(init.read_text().replace(IMPORT, MOVED_IMPORT, 1))
+            glm4.rename(upstream / MOVED_TO)
         git(upstream, "add", "-A", ".")
         git(upstream, "commit", "-q", "-m", f"release {tag}")
         git(upstream, "tag", tag)
@@ -108,13 +137,18 @@ def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ob
         source = ROOT / name
         copy = shutil.copytree if source.is_dir() else shutil.copy
         copy(source, fork / name)
+    (fork / "patches" / "intents.toml").write_text(RECIPE)
+    (fork / "patches" / PATCH).write_text(_derived_patch(fork, home))
+    python = [sys.executable, "-m", "sm120fork", "-C", str(fork)]
+    for command in ("refresh", "check"):
+        ran = _run(fork, *python, command, home=home)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
     (fork / ".gitignore").write_text("/build/\n")
     git(fork, "init", "-q", ".")
     git(fork, "add", "-A", ".")
-    git(fork, "commit", "-q", "-m", "the fork at 0.5.9")
-    python = [sys.executable, "-m", "sm120fork", "-C", str(fork)]
+    git(fork, "commit", "-q", "-m", "the fork at 0.5.23")
     rebase = _run(
-        fork, *python, "rebase", "v0.5.11", "--step", "--upstream-git", upstream.as_uri(), home=home
+        fork, *python, "rebase", "v0.5.25", "--step", "--upstream-git", upstream.as_uri(), home=home
     )
     assert rebase.returncode == 0, rebase.stderr
     applied = _run(fork, *python, "apply", "--out", str(tmp / "applied"), home=home)
