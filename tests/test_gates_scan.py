@@ -357,6 +357,32 @@ def test_unknown_helper_of_the_family_is_a_gate_that_depends(tmp_path: Path) -> 
     assert inventory.unknown_helpers == ("is_sm130_supported_v2",)
 
 
+def test_helpers_added_in_0_5_23(tmp_path: Path) -> None:
+    inventory = scan(
+        tmp_path,
+        {
+            "srt/new.py": """
+                from sglang.test.test_utils import is_blackwell_system
+                from sglang.srt.layers.attention.dsv4.v41_indexer import is_sm100_or_newer
+                from sglang.srt.layers.moe.mega_moe_sm90 import is_sm90_fp8_mega_moe_available
+
+                def f(experts):
+                    if is_blackwell_system():
+                        return 1
+                    if is_sm100_or_newer():
+                        return 2
+                    if is_sm90_fp8_mega_moe_available(experts):
+                        return 3
+            """
+        },
+    )
+    assert answers(only(inventory, "is_blackwell_system()")) == "FFFTTTT"
+    assert answers(only(inventory, "is_sm100_or_newer()")) == "FFFTTTT"
+    mega = only(inventory, "is_sm90_fp8_mega_moe_available(experts)")
+    assert answers(mega) == "FF?FFFF"
+    assert inventory.unknown_helpers == ()
+
+
 def test_unparsable_files_become_problems(tmp_path: Path) -> None:
     inventory = scan(
         tmp_path,

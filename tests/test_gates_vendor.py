@@ -27,8 +27,14 @@ def _vendored_version() -> str | None:
     return tomllib.loads(lock.read_text()).get("version") if lock.is_file() else None
 
 
-# Line numbers and rows of sm120-gates.md are 0.5.9's; a rebase re-pins them.
-only_0_5_9 = pytest.mark.skipif(_vendored_version() != "0.5.9", reason="rows are 0.5.9's")
+PINNED = "0.5.23"  # the release whose line numbers the tests below name
+
+
+@pytest.fixture
+def pinned() -> None:
+    """Fail, never skip, when a rebase moved vendor/sglang: the lines must be re-pinned."""
+    version = _vendored_version()
+    assert version == PINNED, f"vendor/sglang is {version}: re-pin these gate lines from {PINNED}"
 
 
 @pytest.fixture(scope="module")
@@ -52,35 +58,41 @@ def test_every_gate_is_reviewed_and_no_entry_is_stale(inventory: Inventory) -> N
     assert inventory.stale_policy == ()
 
 
-@only_0_5_9
-def test_the_gate_table_rows(inventory: Inventory) -> None:
-    """sm120-gates.md rows, as the scanner evaluates them on pristine 0.5.9."""
-    fusion = gate_at(inventory, "srt/layers/communicator.py", 95)
-    assert fusion.archs["sm120"] is False and fusion.decision == "excluded"
-    glm = gate_at(inventory, "srt/server_args.py", 1608)
+@pytest.mark.usefixtures("pinned")
+def test_the_patched_gates(inventory: Inventory) -> None:
+    """Where the series changes what SM12x gets, as the scanner evaluates pristine 0.5.23."""
+    glm = gate_at(inventory, "arg_groups/model_overrides/glm4_moe.py", 19)
     assert (answers(glm), glm.patch) == ("FFFTTFF", "sm120-glm4-moe-runner.patch")
-    mla = gate_at(inventory, "srt/server_args.py", 1878)
+    mla = gate_at(inventory, "arg_groups/overrides.py", 1210)
     assert answers(mla) == "TTTFFFF"  # the refusal SM12x passes
-    assert (mla.wrongly_included_token, mla.decision) == ("trtllm", "patched")
-    nsa = gate_at(inventory, "srt/server_args.py", 1166)
-    assert answers(nsa) == "FFFTTTT"  # `major >= 10` reached through a parameter
-    deepgemm = gate_at(inventory, "srt/layers/deep_gemm_wrapper/configurer.py", 24)
-    assert answers(deepgemm) == "FFF????" and deepgemm.decision == "patched"
-    fp8 = gate_at(inventory, "srt/layers/quantization/fp8_utils.py", 265)
-    assert fp8.wrongly_included and fp8.patch == "sm120-fp8-gemm-triton.patch"
+    assert (mla.wrongly_included_token, mla.patch) == ("trtllm", "sm120-trtllm-mla-guard.patch")
+    dsa = gate_at(inventory, "arg_groups/overrides.py", 716)
+    assert (answers(dsa), dsa.wrongly_included_token) == ("FFFTTTT", "trtllm")
+    assert dsa.patch == "sm120-nsa-guard.patch"
+    fp4 = gate_at(inventory, "layers/quantization/fp4_utils.py", 157)
+    assert (answers(fp4), fp4.patch) == ("TTTFFFF", "sm120-fp4-gemm-cudnn.patch")
+    tiles = gate_at(inventory, "kernels/ops/attention/prefill_attention.py", 180)
+    assert (answers(tiles), tiles.patch) == ("FFTTTTT", "sm120-triton-attention-tiles.patch")
+    olmo = gate_at(inventory, "arg_groups/model_overrides/olmo2.py", 27)
+    assert (olmo.wrongly_included_token, olmo.decision) == ("fa3", "patched")
+    # DeepGEMM on SM12x: upstream's own probe for the SM120 kernels decides (unknown here).
+    deepgemm = gate_at(inventory, "layers/deep_gemm_wrapper/configurer.py", 44)
+    assert answers(deepgemm) == "FFFFF??" and deepgemm.decision == "included"
 
 
-@only_0_5_9
+@pytest.mark.usefixtures("pinned")
 def test_flagged_gates_left_in_are_the_known_open_ones(inventory: Inventory) -> None:
     left_in = {
         (g.file.removeprefix("python/sglang/"), g.line)
         for g in inventory.flagged
         if g.decision not in ("patched", "excluded")
     }
-    # Both gates flagged in 0.5.9 are patched now: server_args.py:1509 (Olmo2 -> fa3) by
-    # sm120-olmo2-attention-triton.patch, fp8_utils.py:203 (explicit flashinfer_trtllm)
-    # by sm120-fp8-gemm-explicit-trtllm-guard.patch.
-    assert left_in == set()
+    # Open, listed in CHANGELOG.md: NVFP4 MoE `auto` runner -> flashinfer_trtllm on SM12x
+    # when the quantization was not given explicitly (modelopt_quant.py).
+    assert left_in == {
+        ("srt/layers/quantization/modelopt_quant.py", 3118),
+        ("srt/arg_groups/model_overrides/exaone.py", 26),
+    }
 
 
 def test_command_exits_0_on_the_fork(tmp_path: Path) -> None:
@@ -88,30 +100,29 @@ def test_command_exits_0_on_the_fork(tmp_path: Path) -> None:
     assert (tmp_path / "gates.json").is_file()
 
 
-# -- against a later release from the package index ------------------------------
+# -- against an earlier release from the package index -----------------------------
 
 
 @pytest.fixture(scope="module")
-def release_0_5_23(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    where = tmp_path_factory.mktemp("sglang-0.5.23")
+def release_0_5_9(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("sglang-0.5.9")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["sglang==0.5.23", "--python-version", "3.11", "-d", str(where), "-q"]
-    if subprocess.run(command, check=False).returncode != 0:
-        pytest.skip("sglang 0.5.23 could not be downloaded")
-    (wheel,) = where.glob("sglang-0.5.23-*.whl")
+    command += ["sglang==0.5.9", "-d", str(where), "-q"]
+    subprocess.run(command, check=True)
+    (wheel,) = where.glob("sglang-0.5.9-*.whl")
     root = where / "tree" / "python"
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(root, [n for n in archive.namelist() if n.startswith("sglang/")])
     return where / "tree"
 
 
-@only_0_5_9
+@pytest.mark.usefixtures("pinned")
 @pytest.mark.network
 @pytest.mark.slow
-def test_diff_to_0_5_23_finds_the_moves(inventory: Inventory, release_0_5_23: Path) -> None:
-    later = scan_tree(release_0_5_23)
-    assert later.problems == ()
-    changes = diff_inventories(inventory, later)
+def test_diff_from_0_5_9_finds_the_moves(inventory: Inventory, release_0_5_9: Path) -> None:
+    earlier = scan_tree(release_0_5_9)
+    assert earlier.problems == ()
+    changes = diff_inventories(earlier, inventory)
     moved = {(c.old.file, c.old.line): (c.new.file, c.new.function) for c in changes.moved}
     assert moved[("python/sglang/srt/server_args.py", 1608)] == (
         "python/sglang/srt/arg_groups/model_overrides/glm4_moe.py",

@@ -108,7 +108,10 @@ class Evaluator(Names, Operators):
             if test is None:
                 self.unknown_helpers.add(target.name)
                 return unknown((node,), arch=True, test=True)
-            return Val(test(self.arch), arch=True, test=True, fact=True)
+            answer = test(self.arch)
+            if answer is None:  # depends on more than the architecture here
+                return unknown((node,), arch=True, test=True)
+            return Val(answer, arch=True, test=True, fact=True)
         if isinstance(target, ProbeFn):
             return Val(target.value, fact=True)
         if isinstance(target, SourceFn):

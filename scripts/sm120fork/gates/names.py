@@ -232,8 +232,10 @@ class Names(EvaluatorBase):
     def _platform_fact(self, attr: str, node: ast.AST) -> Val:
         helper = semantics.PLATFORM_FACTS.get(attr)
         if helper is not None:
-            test = semantics.HELPERS[helper]
-            return Val(test(self.arch), arch=True, test=True, fact=True)
+            answer = semantics.HELPERS[helper](self.arch)
+            if answer is None:
+                return unknown((node,), arch=True, test=True)
+            return Val(answer, arch=True, test=True, fact=True)
         kind = semantics.PLATFORM_VALUES.get(attr)
         if kind == "sm":
             return Val(self.arch.sm, arch=True, fact=True)

@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 from sm120fork.gates.model import Arch
 
-# A helper's meaning: the architecture -> its boolean answer.
-Test = Callable[[Arch], bool]
+# A helper's meaning: the architecture -> its answer; None where the answer
+# depends on more than the architecture (an installed package, a model flag).
+Test = Callable[[Arch], bool | None]
 
 
 def majors(*values: int) -> Test:
@@ -31,6 +32,15 @@ def majors(*values: int) -> Test:
 
 def exactly(major: int, minor: int) -> Test:
     return lambda arch: (arch.major, arch.minor) == (major, minor)
+
+
+def at_least(major: int) -> Test:
+    return lambda arch: arch.major >= major
+
+
+def only_sm(sm: int) -> Test:
+    """False except on `sm` (major * 10 + minor), where it depends on more."""
+    return lambda arch: None if arch.sm == sm else False
 
 
 # Module-level helpers of srt/utils/common.py (called by name or as utils.X).
@@ -47,6 +57,14 @@ HELPERS: dict[str, Test] = {
     "is_sm120_supported": majors(12),
     "is_sm120": exactly(12, 0),  # 0.5.23: RTX Blackwell, not GB10
     "is_sm121": exactly(12, 1),  # 0.5.23: GB10
+    # 0.5.23, test/test_utils.py: `return is_blackwell()` (majors 10, 11, 12).
+    "is_blackwell_system": majors(10, 11, 12),
+    # 0.5.23, srt/layers/attention/dsv4/v41_indexer: `is_cuda() and major >= 10`
+    # (SM12x included: its DeepGEMM fp8_fp4 mqa-logits path).
+    "is_sm100_or_newer": at_least(10),
+    # 0.5.23, srt/layers/moe/mega_moe_sm90.py: `_device_sm == 90` and DeepGEMM has
+    # fp8_mega_moe / mega_moe_pre_dispatch_sm90 and the experts hold SM90 FP8 weights.
+    "is_sm90_fp8_mega_moe_available": only_sm(90),
 }
 
 # Methods of multimodal_gen's platform classes (current_platform.is_hopper()).
