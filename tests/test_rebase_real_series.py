@@ -1,0 +1,82 @@
+"""The real series on the real vendored tree, carried onto a next release built from it.
+
+No newer release than the pinned one need exist: the "next release" is the vendored
+tree with every file the series touches shifted by an upstream comment block, served
+from a local git remote (`--upstream-git`), so every patch must carry at shifted lines.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from rebasefork import SCRIPTS, RebaseFork
+from sm120fork import gitcmd, lock
+from sm120fork.patchfile import parse_patch
+from sm120fork.series import read_series
+
+PROJECT = SCRIPTS.parent
+SHIFT = "# Upstream's next release adds a header here.\n" * 3
+
+
+def _commit_tree(repo: Path, tree: Path, tag: str) -> None:
+    for entry in repo.iterdir():
+        if entry.name != ".git":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    shutil.copytree(tree, repo, dirs_exist_ok=True)
+    gitcmd.run(["add", "-A", "."], repo)
+    gitcmd.run(["commit", "-q", "-m", tag], repo)
+    gitcmd.run(["tag", tag], repo)
+
+
+@pytest.mark.slow
+def test_real_series_carries_onto_a_shifted_next_release(
+    tmp_path: Path, git_env: dict[str, str]
+) -> None:
+    del git_env  # git without the user's config
+    names = read_series(PROJECT / "patches/series").names
+    pinned = lock.read(PROJECT / "vendor/sglang.lock")
+    assert names and pinned is not None
+    touched = {
+        file.path
+        for name in names
+        for file in parse_patch((PROJECT / "patches" / name).read_bytes(), name, 1).files
+    }
+    upstream = tmp_path / "upstream"
+    upstream.mkdir()
+    gitcmd.run(["init", "-q", "."], upstream)
+    _commit_tree(upstream, PROJECT / "vendor/sglang", f"v{pinned.version}")
+    for path in touched:
+        target = upstream / path
+        target.write_text(SHIFT + target.read_text())
+    next_version = "99.0.0"
+    gitcmd.run(["commit", "-q", "-a", "-m", "next"], upstream)
+    gitcmd.run(["tag", f"v{next_version}"], upstream)
+
+    root = tmp_path / "fork"
+    for part in ("vendor", "patches"):
+        shutil.copytree(PROJECT / part, root / part)
+    shutil.copy(PROJECT / "CHANGELOG.md", root / "CHANGELOG.md")
+    (root / ".gitignore").write_text("/build/\n")
+    gitcmd.run(["init", "-q", "."], root)
+    gitcmd.run(["add", "-A", "."], root)
+    gitcmd.run(["commit", "-q", "-m", "the fork"], root)
+    fork = RebaseFork(root, str(upstream))
+    before = fork.snapshot()
+
+    result = fork.rebase(f"v{next_version}", "--dry-run")
+
+    assert result.returncode == 0, result.stderr
+    report = fork.report()
+    assert (report["from"], report["to"], report["result"]) == (
+        pinned.version,
+        next_version,
+        "dry-run",
+    )
+    assert [(p["name"], p["status"]) for p in report["patches"]] == [
+        (name, "offset") for name in names
+    ]
+    assert all("+3" in p["detail"] for p in report["patches"]), report["patches"]
+    assert fork.snapshot() == before
+    assert fork.status() == ""
