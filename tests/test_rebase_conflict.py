@@ -92,7 +92,7 @@ def test_continue_refuses_while_markers_remain(
 
 def test_continue_after_resolving_by_hand(stopped: tuple[RebaseFork, dict[str, bytes]]) -> None:
     fork, _ = stopped
-    resolved = (
+    resolved = "from sglang.srt.utils import is_sm120\n" + (
         shifted(BASE[SA])
         .replace("if is_sm100_supported():", "if is_blackwell_supported() and not is_sm120():")
         .replace("x_3 = 3\n", "x_3 = 3\nfork_a = 1\nfork_b = 2\n")

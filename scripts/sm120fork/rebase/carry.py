@@ -16,6 +16,10 @@
    upstream at shifted lines                   -> upstreamed
 7. otherwise                                   -> conflict (markers left in the work tree)
 
+Whatever the route, a carried patch whose own added lines now use a name the
+new upstream no longer defines (or no longer parse) is a conflict too, with its
+change left uncommitted in the work tree for a person (names.py).
+
 A carried patch is committed on the tip and re-rendered in normal form
 against it, with its original header (finalize decides Last-Update).
 """
@@ -32,6 +36,7 @@ from sm120fork.normalform import DiffRenderer, render_patch
 from sm120fork.patchfile import PatchFile, parse_patch
 from sm120fork.rebase import cosmetic
 from sm120fork.rebase.conflicts import describe
+from sm120fork.rebase.names import broken_lines
 from sm120fork.rebase.state import Conflict, PatchState, Status, Target
 from sm120fork.rebase.workrepo import WorkRepo
 from sm120fork.unidiff import FileDiff, Hunk, HunkLine
@@ -123,6 +128,25 @@ def _by_intent(
         (repo.root / path).write_bytes(text.encode("utf-8"))
     detail = f"{verdict.detail} (its text no longer applies; {merge}); refreshed"
     return replace(finish(repo, patch, tip, renderer, "resolved", detail), conflicts=conflicts)
+
+
+def checked(repo: WorkRepo, tip: str, outcome: Outcome, version: str, before: str) -> Outcome:
+    """`outcome`, or a conflict if the carried change breaks names (names.py; `before`:
+    the patch's commit at the previous release); the change then stays in the work
+    tree, uncommitted, for a person to fix."""
+    if not outcome.commit:
+        return outcome
+    broken = broken_lines(repo, tip, outcome.commit, before)
+    if not broken:
+        return outcome
+    repo.git("reset", "-q", "--mixed", tip)
+    found = "; ".join(b.describe() for b in broken)
+    detail = (
+        f"it was carried ({outcome.status}), but its own lines break on {version}: {found}; "
+        "upstream no longer defines what they use"
+    )
+    conflicts = tuple(Conflict(b.file, b.line, False, b.text, b.problem) for b in broken)
+    return Outcome("conflict", detail, conflicts=conflicts)
 
 
 def _resolve_cosmetic(repo: WorkRepo) -> list[str]:

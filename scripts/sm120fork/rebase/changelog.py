@@ -70,9 +70,9 @@ def _walk_entries(state: RebaseState, gates: dict[str, list[Any]], today: str) -
         if index == len(versions) - 1:
             upstream = [
                 f"- Rebased onto sglang {version} (tag {final.tag}, from {final.source}); "
-                f"was {state.from_version}. Walked every release in between with "
-                f"`rebase --step` ({len(versions)} releases; one entry each below, "
-                "none vendored or released on its own).",
+                f"was {state.from_version}. Walked all {len(versions)} releases after it "
+                "with `rebase --step`: this entry is the last; each earlier one has its own "
+                "entry below, not vendored or released on its own.",
             ]
         else:
             upstream = [
@@ -132,7 +132,10 @@ def step_fate(step: StepResult) -> str:
 
 def _fate(patch: PatchState, step_mode: bool) -> str:
     hand = [step for step in patch.steps if step.by_hand]
-    if patch.status == "upstreamed":
+    last = patch.steps[-1] if patch.steps else None
+    if patch.status == "upstreamed" and last is not None and last.by_hand:
+        fate = f"dropped by hand at {last.version}: {last.note or 'no reason given'}"
+    elif patch.status == "upstreamed":
         fate = f"dropped as upstreamed: {patch.detail.removesuffix('; dropped')}"
     elif hand:
         fate = "merged; conflict resolved by hand; refreshed"

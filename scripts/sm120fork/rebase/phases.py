@@ -15,8 +15,9 @@ from sm120fork.intent.model import load_intents
 from sm120fork.normalform import DiffRenderer
 from sm120fork.patchfile import parse_patch
 from sm120fork.rebase import ledger, targets
-from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, finish
+from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, checked, finish
 from sm120fork.rebase.conflicts import remaining_markers
+from sm120fork.rebase.names import broken_lines
 from sm120fork.rebase.run import Run, say
 from sm120fork.rebase.state import RebaseState, crash_point
 from sm120fork.rebase.workrepo import WorkRepo
@@ -92,6 +93,7 @@ def _carry_release(
         if patch.status in ("upstreamed", "conflict"):
             continue  # dropped at an earlier release, or a dry run went past its conflict
         outcome = carry(repo, patch, state.tip, state.target, renderer, intents.get(patch.name))
+        outcome = checked(repo, state.tip, outcome, state.target.version, patch.commit)
         crash_point("mid-carry")
         state = ledger.record(state, number, outcome)
         say(f"{where}carrying patch {number + 1}/{total} {patch.name}: {outcome.status}")
@@ -140,6 +142,14 @@ def _finish_by_hand(run: Run, repo: WorkRepo, state: RebaseState) -> Outcome:
     parsed = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
     with DiffRenderer() as renderer:
         outcome = finish(repo, parsed, state.tip, renderer, "merged", ledger.HAND)
+    broken = broken_lines(repo, state.tip, outcome.commit, patch.commit) if outcome.commit else []
+    if broken:
+        repo.git("reset", "-q", "--mixed", state.tip)  # the edits stay for another try
+        raise FatalError(
+            f"the resolution breaks: {'; '.join(b.describe() for b in broken)} in {run.work}; "
+            "fix it, then run `rebase --continue`",
+            EXIT_FINDINGS,
+        )
     if outcome.status == "upstreamed":
         outcome = replace(outcome, detail="the conflict was resolved by hand to no change; dropped")
     return outcome
