@@ -89,10 +89,7 @@ def test_flagged_gates_left_in_are_the_known_open_ones(inventory: Inventory) -> 
     }
     # Open, listed in CHANGELOG.md: NVFP4 MoE `auto` runner -> flashinfer_trtllm on SM12x
     # when the quantization was not given explicitly (modelopt_quant.py).
-    assert left_in == {
-        ("srt/layers/quantization/modelopt_quant.py", 3118),
-        ("srt/arg_groups/model_overrides/exaone.py", 26),
-    }
+    assert left_in == {("srt/layers/quantization/modelopt_quant.py", 3118)}
 
 
 def test_command_exits_0_on_the_fork(tmp_path: Path) -> None:
