@@ -1,11 +1,15 @@
-"""Benchmark one real rebase step (the project's series, 0.5.9 -> 0.5.10) against doing
-the same by hand with `git am -3` on the same trees.
+"""Benchmark one real rebase step (the fork's 0.5.9 series, 0.5.9 -> 0.5.10) against
+doing the same by hand with `git am -3` on the same trees.
 
     PYTHONPATH=scripts python benchmarks/rebase_step.py [--runs 3] [--to 0.5.10]
 
-Setup (not timed): sglang <to> is fetched once from the package index; a local git
-remote gets the vendored tree as tag v<from> and the new tree as tag v<to>; a
-temporary fork repo gets the project's vendor/, patches/ and CHANGELOG.md.
+The step is fixed, whatever release the project vendors now: the series as it stood
+on 0.5.9 is kept in benchmarks/data/series-0.5.9/ (12 patches, its intents and gate
+policy), so the figures stay comparable across rebases of the project itself.
+
+Setup (not timed): sglang 0.5.9 and <to> are fetched once from the package index;
+a local git remote gets them as tags v0.5.9 and v<to>; a temporary fork repo gets
+0.5.9 as vendor/ (with its lock) and the kept series as patches/.
 
 Timed, each as fresh processes, best of --runs:
 - tool: `sm120fork rebase v<to> --upstream-git file://... --dry-run` (fetch from
@@ -62,27 +66,34 @@ def commit_tree(repo: Path, tree: Path, message: str, tag: str) -> None:
     git(repo, "tag", tag)
 
 
+BASE = "0.5.9"
+SERIES = ROOT / "benchmarks" / "data" / f"series-{BASE}"
+
+
 def setup(scratch: Path, version: str) -> tuple[Path, Path, str]:
     """(fork repo, upstream remote, pinned version)."""
-    pinned = lock.read(ROOT / "vendor/sglang.lock")
-    if pinned is None:
-        raise SystemExit("the project has no vendor/sglang.lock")
+    fork = scratch / "fork"
+    fork.mkdir()
+    (fork / ".gitignore").write_text("/build/\n")
+    git(fork, "init", "-q", ".")
+    print(f"importing sglang {BASE} from the package index (not timed)", file=sys.stderr)
+    env = {**os.environ, **IDENTITY, "PYTHONPATH": str(ROOT / "scripts")}
+    command = [sys.executable, "-m", "sm120fork", "-C", str(fork), "import", BASE]
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    pinned = lock.read(fork / "vendor/sglang.lock")
+    assert pinned is not None and pinned.version == BASE
+    shutil.copytree(SERIES, fork / "patches")
+    (fork / "CHANGELOG.md").write_text(f"# Changelog\n\n## {BASE}+sm120.1 - 2026-11-29\n")
+    git(fork, "add", "-A", ".")
+    git(fork, "commit", "-q", "-m", "fork")
     print(f"fetching sglang {version} from the package index (not timed)", file=sys.stderr)
     release = fetch_release(version, workdir=scratch / "fetch")
     remote = scratch / "upstream"
     remote.mkdir()
     git(remote, "init", "-q", ".")
-    commit_tree(remote, ROOT / "vendor/sglang", f"sglang {pinned.version}", f"v{pinned.version}")
+    commit_tree(remote, fork / "vendor/sglang", f"sglang {BASE}", f"v{BASE}")
     commit_tree(remote, release.tree, f"sglang {release.version}", f"v{release.version}")
-    fork = scratch / "fork"
-    for part in ("vendor", "patches"):
-        shutil.copytree(ROOT / part, fork / part)
-    shutil.copy(ROOT / "CHANGELOG.md", fork / "CHANGELOG.md")
-    (fork / ".gitignore").write_text("/build/\n")
-    git(fork, "init", "-q", ".")
-    git(fork, "add", "-A", ".")
-    git(fork, "commit", "-q", "-m", "fork")
-    return fork, remote, pinned.version
+    return fork, remote, BASE
 
 
 def by_tool(fork: Path, remote: Path, version: str) -> tuple[float, str]:
@@ -105,11 +116,11 @@ def by_tool(fork: Path, remote: Path, version: str) -> tuple[float, str]:
 def by_hand(scratch: Path, remote: Path, old: str, new: str) -> tuple[float, list[str]]:
     work = scratch / "by-hand"
     shutil.rmtree(work, ignore_errors=True)
-    names = read_series(ROOT / "patches/series").names
+    names = read_series(SERIES / "series").names
     start = time.perf_counter()
     git(scratch, "clone", "-q", "--no-checkout", remote.as_uri(), str(work))
     git(work, "checkout", "-q", f"v{old}")
-    git(work, "am", "-q", *(str(ROOT / "patches" / name) for name in names))
+    git(work, "am", "-q", *(str(SERIES / name) for name in names))
     mails = work / ".git" / "mails"
     git(work, "format-patch", "-q", "-o", str(mails), f"v{old}..HEAD")
     git(work, "checkout", "-q", f"v{new}")
@@ -140,7 +151,7 @@ def main() -> int:
             hand.append(elapsed)
         print(
             f"# {platform.node()}: {os.cpu_count()} CPUs, python {platform.python_version()}, "
-            f"{len(read_series(ROOT / 'patches/series').names)} patches, {old} -> {args.to}, "
+            f"{len(read_series(SERIES / 'series').names)} patches, {old} -> {args.to}, "
             f"best of {args.runs}"
         )
         print("| route | wall s (best) | all runs s |")

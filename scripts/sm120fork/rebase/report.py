@@ -122,7 +122,21 @@ def write(directory: Path, report: dict[str, Any]) -> tuple[Path, Path]:
     return json_path, md_path
 
 
+# GitHub refuses a pull-request body over 65536 characters; the upstream watch uses
+# report.md as one, so the gate lists are shortened until it fits (report.json has all).
+BODY_LIMIT = 65_000
+
+
 def markdown(report: dict[str, Any]) -> str:
+    """report.md: whole gate lists if they fit in a pull-request body, else shortened."""
+    for listed in (None, 200, 50, 10, 0):
+        text = _markdown(report, listed)
+        if len(text) <= BODY_LIMIT:
+            return text
+    return text
+
+
+def _markdown(report: dict[str, Any], listed: int | None) -> str:
     counts = Counter(p["status"] for p in report["patches"])
     tally = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no patches"
     outcome = {
@@ -172,8 +186,11 @@ def markdown(report: dict[str, Any]) -> str:
     for kind in KINDS:
         found = gates.get(kind, [])
         if found:
+            shown = found if listed is None else found[:listed]
             lines += ["", f"<details><summary>{kind} ({len(found)})</summary>", ""]
-            lines += [f"- {gatefindings.describe_gate(gate)}" for gate in found]
+            lines += [f"- {gatefindings.describe_gate(gate)}" for gate in shown]
+            if len(shown) < len(found):
+                lines.append(f"- ... and {len(found) - len(shown)} more in report.json")
             lines += ["", "</details>"]
     return "\n".join(lines).rstrip("\n") + "\n"
 
