@@ -106,3 +106,25 @@ def test_an_import_both_sides_changed_takes_upstreams_layout_and_the_patchs_name
 )
 def test_imports_of_different_shapes_stay_a_conflict(ours: list[str]) -> None:
     assert resolve_block(ours, ["from m import a\n"], ["from m import a, z\n"]) is None
+
+
+def test_a_reworded_one_line_docstring_counts_as_a_comment() -> None:
+    base = ['    """Validate for TRTLLM and tokenspeed MLA backends."""\n', "    if x:\n"]
+    ours = ['    """Validate for the TRTLLM MLA backend."""\n', "    if x:\n"]
+    theirs = [base[0], "    guard()\n", base[1]]
+    assert resolve_block(ours, base, theirs) == ([ours[0], "    guard()\n", ours[1]], REWORDED)
+    code = ['    s = "a"\n', "    if x:\n"]  # a string in an assignment is code
+    assert resolve_block(['    s = "b"\n', "    if x:\n"], code, [code[0], "    g()\n"]) is None
+
+
+def test_names_inside_one_parenthesized_import_list() -> None:
+    # 0.5.13: upstream added is_sm100_supported where the patch added is_sm120_supported.
+    assert resolve_block(["    is_sm100_supported,\n"], [], ["    is_sm120_supported,\n"]) == (
+        ["    is_sm100_supported,\n", "    is_sm120_supported,\n"],
+        IMPORTS,
+    )
+    # 0.5.19: upstream dropped the name beside the patch's.
+    assert resolve_block(
+        [], ["    is_sm100_supported,\n"], ["    is_sm100_supported,\n", "    is_sm120,\n"]
+    ) == (["    is_sm120,\n"], IMPORTS)
+    assert resolve_block(["    x = 1,\n"], [], ["    name,\n"]) is None

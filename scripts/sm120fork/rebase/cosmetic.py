@@ -18,12 +18,17 @@ here, and only such a block:
 The result is the patch's side with upstream's wording on the lines the
 patch kept.
 
+A one-line docstring counts as a comment here (0.5.23 re-worded the docstring
+of `_mla_kv_cache_dtype_checks` right above the TRT-LLM MLA guard).
+
 Both sides changed the same `from M import ...` (0.5.11 wrapped
 `deep_gemm_wrapper/configurer.py`'s import of `sglang.srt.utils` in parentheses
 and added names; the DeepGEMM patch added `is_sm120_supported`). When each side
 of the block is exactly one such statement of the same module, the result is
 upstream's statement with the names the patch added (and without those it
-removed), in upstream's layout.
+removed), in upstream's layout. The same holds for a block of bare `name,`
+lines inside one parenthesized import list (0.5.13 and 0.5.19 changed the names
+of `configurer.py`'s list right where the DeepGEMM patch added one).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import ast
 import difflib
 import io
+import re
 import textwrap
 import tokenize
 
@@ -82,7 +88,7 @@ def resolve_block(
     merged = _reworded_comments(ours, base, theirs)
     if merged is not None:
         return merged, REWORDED
-    merged = _merged_import(ours, base, theirs)
+    merged = _merged_import(ours, base, theirs) or _merged_import_names(ours, base, theirs)
     return (merged, IMPORTS) if merged is not None else None
 
 
@@ -105,15 +111,50 @@ def _reworded_comments(ours: list[str], base: list[str], theirs: list[str]) -> l
 
 
 def _code(line: str) -> str:
-    """The line without its comment and trailing blanks; indentation kept (it is code)."""
+    """The line without its comment and trailing blanks; indentation kept (it is code).
+    A line that is only a string literal (a one-line docstring) keeps its indentation."""
     try:
         tokens = list(tokenize.generate_tokens(io.StringIO(line).readline))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         tokens = []
+    significant = [t for t in tokens if t.type not in _LAYOUT]
+    if len(significant) == 1 and significant[0].type == tokenize.STRING:
+        return line[: len(line) - len(line.lstrip())] + '"""docstring"""'
     comments = [t for t in tokens if t.type == tokenize.COMMENT]
     if not comments:
         return line.rstrip()  # no comment, or a line tokenize cannot read alone
     return line[: comments[0].start[1]].rstrip()
+
+
+_LAYOUT = {
+    tokenize.INDENT,
+    tokenize.DEDENT,
+    tokenize.NEWLINE,
+    tokenize.NL,
+    tokenize.ENDMARKER,
+    tokenize.COMMENT,
+}
+_NAME_LINE = re.compile(r"^(\s+)([A-Za-z_]\w*(?: as [A-Za-z_]\w*)?),[ \t]*\n?$")
+
+
+def _merged_import_names(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
+    """Blocks of `    name,` lines inside one parenthesized import list."""
+    sides = []
+    for side in (ours, base, theirs):
+        matches = [_NAME_LINE.match(line) for line in side]
+        if any(m is None for m in matches):
+            return None
+        sides.append([m.group(2) for m in matches if m is not None])
+    o_names, b_names, t_names = sides
+    if not (ours or theirs):
+        return None
+    added = [name for name in t_names if name not in b_names and name not in o_names]
+    removed = {name for name in b_names if name not in t_names}
+    names = [name for name in o_names if name not in removed]
+    names = sorted(names + added) if sorted(o_names) == o_names else names + added
+    sample = (ours or theirs)[0]
+    indent = sample[: len(sample) - len(sample.lstrip())]
+    return [f"{indent}{name},\n" for name in names]
 
 
 def _merged_import(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
