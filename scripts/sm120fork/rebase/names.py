@@ -48,17 +48,17 @@ def broken_lines(repo: WorkRepo, old: str, new: str, before: str = "") -> list[B
         text = repo.read(new, path)
         if text is None:
             continue
+        added = _added_lines(repo, old, new, path)
+        suspects = [(line, problem) for line, problem in _problems(text, path) if line in added]
+        if not suspects:
+            continue  # the common case: one parse of the file, no baselines needed
         baselines = [repo.read(old, path), repo.read(before, path) if before else None]
         known = {p for t in baselines if t is not None for _, p in _problems(t, path)}
-        added = _added_lines(repo, old, new, path)
         lines = text.splitlines()
-
-        def line_text(number: int, lines: list[str] = lines) -> str:
-            return lines[number - 1] if 0 < number <= len(lines) else ""
-
-        for line, problem in _problems(text, path):
-            if line in added and problem not in known:
-                found.append(Breakage(path, line, line_text(line), problem))
+        for line, problem in suspects:
+            if problem not in known:
+                shown = lines[line - 1] if 0 < line <= len(lines) else ""
+                found.append(Breakage(path, line, shown, problem))
     return found
 
 
