@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         extra = args.version or args.upstream_git or args.step or args.dry_run
         if extra:
             raise FatalError("--continue, --drop and --abort take no version or other option")
-        if args.drop.strip() == "" and args.drop:
+        if args.drop and not args.drop.strip():
             raise FatalError("--drop needs a reason: why upstream no longer needs the patch")
         if args.abort:
             return flow.abort(paths)

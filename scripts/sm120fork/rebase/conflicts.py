@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from sm120fork.gates.semantics import TOKENS
 from sm120fork.lines import split_lines
@@ -56,13 +57,22 @@ def describe(repo: WorkRepo, tip: str, upstream: str, patch: PatchFile) -> tuple
     return tuple(found)
 
 
-def _blocks(lines: list[str]) -> Iterable[tuple[int, str, str, str]]:
-    """(line in ours where the block starts, ours, base, theirs) for each marker block."""
-    ours_line = 0  # lines of the ours side seen so far
+@dataclass(frozen=True)
+class Block:
+    """One diff3 conflict block, each side as lines (with their line ends)."""
+
+    ours: list[str]
+    base: list[str]
+    theirs: list[str]
+    closed: bool  # False: the file ended before its >>>>>>> line
+
+
+def segments(lines: list[str]) -> Iterator[str | Block]:
+    """The file as it reads: plain lines, and a Block for each conflict block."""
     i = 0
     while i < len(lines):
         if not lines[i].startswith("<<<<<<< "):
-            ours_line += 1
+            yield lines[i]
             i += 1
             continue
         sides: dict[str, list[str]] = {"ours": [], "base": [], "theirs": []}
@@ -77,14 +87,19 @@ def _blocks(lines: list[str]) -> Iterable[tuple[int, str, str, str]]:
             else:
                 sides[side].append(line)
             i += 1
-        yield (
-            ours_line + 1,
-            "".join(sides["ours"]),
-            "".join(sides["base"]),
-            "".join(sides["theirs"]),
-        )
-        ours_line += len(sides["ours"])
+        yield Block(sides["ours"], sides["base"], sides["theirs"], closed=i < len(lines))
         i += 1
+
+
+def _blocks(lines: list[str]) -> Iterable[tuple[int, str, str, str]]:
+    """(line in ours where the block starts, ours, base, theirs) for each marker block."""
+    ours_line = 0  # lines of the ours side seen so far
+    for segment in segments(lines):
+        if isinstance(segment, str):
+            ours_line += 1
+            continue
+        yield ours_line + 1, "".join(segment.ours), "".join(segment.base), "".join(segment.theirs)
+        ours_line += len(segment.ours)
 
 
 def _to_upstream(repo: WorkRepo, tip: str, upstream: str, path: str) -> Callable[[int], int]:

@@ -41,6 +41,7 @@ import textwrap
 import tokenize
 
 from sm120fork.lines import split_lines
+from sm120fork.rebase.conflicts import segments
 
 REWORDED = "upstream re-worded a comment beside the patch"
 IMPORTS = "both sides changed the same import statement"
@@ -51,32 +52,17 @@ def resolve_text(text: str) -> tuple[str, set[str]] | None:
     kinds of block it met (REWORDED, IMPORTS); None when some block is neither."""
     out: list[str] = []
     kinds: set[str] = set()
-    lines = split_lines(text)
-    i = 0
-    while i < len(lines):
-        if not lines[i].startswith("<<<<<<< "):
-            out.append(lines[i])
-            i += 1
+    for segment in segments(split_lines(text)):
+        if isinstance(segment, str):
+            out.append(segment)
             continue
-        sides: dict[str, list[str]] = {"ours": [], "base": [], "theirs": []}
-        side = "ours"
-        i += 1
-        while i < len(lines) and not lines[i].startswith(">>>>>>> "):
-            if lines[i].startswith("||||||| "):
-                side = "base"
-            elif lines[i].rstrip("\n") == "=======":
-                side = "theirs"
-            else:
-                sides[side].append(lines[i])
-            i += 1
-        if i == len(lines):
+        if not segment.closed:
             return None  # an unterminated block: not ours to guess
-        resolved = resolve_block(sides["ours"], sides["base"], sides["theirs"])
+        resolved = resolve_block(segment.ours, segment.base, segment.theirs)
         if resolved is None:
             return None
         out.extend(resolved[0])
         kinds.add(resolved[1])
-        i += 1
     return "".join(out), kinds
 
 

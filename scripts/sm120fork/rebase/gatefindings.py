@@ -27,20 +27,19 @@ def findings(policy: Path, old_tree: Path, new_tree: Path) -> dict[str, list[Any
 
 def walk_findings(
     policy: Path, trees: list[tuple[str, Path]], progress: Callable[[str], None]
-) -> dict[str, dict[str, list[Any]]]:
-    """For a --step walk: each release's findings against the release before it.
-    `trees` is (version, tree), oldest first, starting with the pinned release; each
-    tree is scanned once."""
+) -> tuple[dict[str, dict[str, list[Any]]], dict[str, list[Any]]]:
+    """For a --step walk: each release's findings against the release before it, and the
+    findings of the last tree against the first. `trees` is (version, tree), oldest
+    first, starting with the pinned release; each tree is scanned once."""
     rules = load_policy(policy)
     found: dict[str, dict[str, list[Any]]] = {}
-    previous = None
+    inventories = []
     for version, tree in trees:
         progress(f"scanning the architecture gates of sglang {version}")
-        inventory = review_tree(tree, rules)
-        if previous is not None:
-            found[version] = diff_inventories(previous, inventory).to_json()
-        previous = inventory
-    return found
+        inventories.append(review_tree(tree, rules))
+        if len(inventories) > 1:
+            found[version] = diff_inventories(inventories[-2], inventories[-1]).to_json()
+    return found, diff_inventories(inventories[0], inventories[-1]).to_json()
 
 
 def describe_gate(gate: dict[str, Any]) -> str:

@@ -19,8 +19,8 @@ def land(run: Run, state: RebaseState) -> int:
     root = run.paths.root
     plan = state.journal
     if plan is None or plan.step == "staging":
+        state = run.release_gates(state)  # with --step, also the gates section below
         gates = run.gates(state)
-        state = run.release_gates(state)
         writers = outputs.writers(run.paths, state, run.tree(state.final.version), gates)
         plan = finalize.journal(root, writers)
         state = run.save(replace(state, journal=plan, gates=gates))

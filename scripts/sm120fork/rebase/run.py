@@ -54,11 +54,13 @@ class Run:
         )
 
     def release_gates(self, state: RebaseState) -> RebaseState:
-        """With --step: `state` with each release's gate findings against the one before."""
+        """With --step: `state` with each release's gate findings against the one before,
+        and the report's gates section from the same scans (call it before `gates`)."""
         if not state.step_mode or state.release_gates is not None:
             return state
         trees = [(state.from_version, self.paths.upstream_tree)]
         trees += [(target.version, self.tree(target.version)) for target in state.targets]
         policy = self.paths.patches_dir / "gates.toml"
-        found = gatefindings.walk_findings(policy, trees, say)
-        return self.save(replace(state, release_gates=found))
+        found, overall = gatefindings.walk_findings(policy, trees, say)
+        gates = state.gates if state.gates is not None else overall
+        return self.save(replace(state, release_gates=found, gates=gates))
