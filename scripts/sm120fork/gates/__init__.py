@@ -17,9 +17,15 @@ from sm120fork.gates.report import write_reports
 from sm120fork.gates.scan import scan_tree
 
 
-def review_tree(root: Path, policy: Policy, *, workers: int | None = None) -> Inventory:
-    """The tree's gates with the policy's decisions."""
-    return apply_policy(scan_tree(root, workers=workers), policy)
+def review_tree(
+    root: Path,
+    policy: Policy,
+    *,
+    workers: int | None = None,
+    files: list[tuple[str, str, int]] | None = None,
+) -> Inventory:
+    """The tree's gates with the policy's decisions (`files`: see `scan_tree`)."""
+    return apply_policy(scan_tree(root, workers=workers, files=files), policy)
 
 
 def compare_trees(old_root: Path, new_root: Path, policy: Policy) -> GateDiff:

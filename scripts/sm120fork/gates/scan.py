@@ -168,10 +168,12 @@ def default_workers() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
-def scan_tree(root: Path, *, workers: int | None = None) -> Inventory:
-    """Every architecture gate of the sglang tree under `root` (unreviewed)."""
-    package = package_dir(root)
-    files = list_files(package)
+def scan_tree(
+    root: Path, *, workers: int | None = None, files: list[tuple[str, str, int]] | None = None
+) -> Inventory:
+    """Every architecture gate of the sglang tree under `root` (unreviewed); `files`, as
+    `list_files` gives them, scans those instead (a tree with some files swapped)."""
+    files = list_files(package_dir(root)) if files is None else files
     modules = frozenset(module_name(rel)[0] for rel, _, _ in files)
     count = workers if workers is not None else default_workers()
     count = max(1, min(count, len(files) // 50 or 1))

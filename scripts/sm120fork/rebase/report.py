@@ -136,19 +136,27 @@ def markdown(report: dict[str, Any]) -> str:
     return text
 
 
-def _markdown(report: dict[str, Any], listed: int | None) -> str:
+def summary_line(report: dict[str, Any]) -> str:
+    """`From sglang 0.5.9 to 0.5.23 (pypi): **complete**; 7 merged, 1 resolved.`"""
     counts = Counter(p["status"] for p in report["patches"])
     tally = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no patches"
     outcome = {
         "complete": "complete",
         "conflict": "stopped on a conflict",
         "dry-run": "dry run, nothing written",
-    }[report["result"]]
+    }.get(report["result"], report["result"])
+    return (
+        f"From sglang {report['from']} to {report['to']} ({report['source']}): "
+        f"**{outcome}**; {tally}."
+    )
+
+
+def _markdown(report: dict[str, Any], listed: int | None) -> str:
+    counts = Counter(p["status"] for p in report["patches"])
     lines = [
         f"# Rebase the sm120 series onto sglang {report['to']}",
         "",
-        f"From sglang {report['from']} to {report['to']} ({report['source']}): "
-        f"**{outcome}**; {tally}.",
+        summary_line(report),
         "",
         *(_DRY_RUN_NOTE if report["result"] == "dry-run" and counts["conflict"] else []),
         "| patch | status | what happened |",
