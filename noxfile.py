@@ -84,6 +84,13 @@ def rebase(session: nox.Session) -> None:
     session.run(*TOOL, "rebase", *session.posargs)
 
 
+@nox.session(python=PYTHON)
+def review(session: nox.Session) -> None:
+    """What a change to patches/ does (`-- BASE [HEAD]`): build/review/review.{md,json}."""
+    _install_tool(session)
+    session.run(*TOOL, "review", *session.posargs)
+
+
 # --- architecture-gate tests (tests/gates) -----------------------------------------
 # They run in their own environment: upstream sglang's wheel with its pinned
 # dependencies (torch+CUDA, sgl-kernel, flashinfer, ... ~11 GB), because sglang

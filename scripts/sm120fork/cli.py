@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "gates": "inventory the architecture gates of vendor/sglang",
     "wheel": "build the fork's wheel from the upstream release wheel",
     "apply": "write vendor/sglang with the series applied into a directory",
+    "review": "show what a change to patches/ does: interdiffs, gates, expectation cells",
 }
 
 

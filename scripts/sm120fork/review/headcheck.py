@@ -1,0 +1,33 @@
+"""`check` of HEAD's series, run on HEAD's files without checking HEAD out.
+
+A scratch repository root holds HEAD's patches/ and, under vendor/sglang,
+only the upstream files the series touches: `check` reads no others.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sm120fork.checks import check_repository
+from sm120fork.paths import RepoPaths
+from sm120fork.review.model import CheckReview
+from sm120fork.review.patched import Files
+from sm120fork.review.side import Side
+
+
+def check_head(scratch: Path, head: Side, pristine: Files) -> CheckReview:
+    paths = RepoPaths(scratch)
+    for name, data in head.patch_files.items():
+        target = paths.patches_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    paths.upstream_tree.mkdir(parents=True, exist_ok=True)
+    for path, text in pristine.items():
+        if text is not None:
+            target = paths.upstream_tree / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(text.encode("utf-8"))
+    if not paths.series_file.is_file():
+        return CheckReview(clean=True, findings=())
+    findings = tuple(str(f) for f in check_repository(paths))
+    return CheckReview(clean=not findings, findings=findings)

@@ -1,0 +1,68 @@
+"""The Base section: vendor/sglang.lock changed, so the PR is (or contains) a rebase.
+
+The rebase report is looked for where a maintainer keeps it, HEAD's
+`docs/rebases/<old>-to-<new>/report.json`, then in `build/rebase/report.json`
+of the work tree when it names the same two releases.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sm120fork.rebase import gatefindings
+from sm120fork.rebase.report import summary_line
+from sm120fork.review.model import UpstreamReview
+from sm120fork.review.revs import read_text
+from sm120fork.review.side import Side
+
+REPORTS = "docs/rebases"
+BUILT = Path("build") / "rebase" / "report.json"
+
+
+def _report(root: Path, head: Side, old: str | None, new: str | None) -> tuple[str, Any] | None:
+    committed = f"{REPORTS}/{old}-to-{new}/report.json"
+    text = read_text(root, head.rev, committed)
+    where = committed
+    if text is None:
+        built = root / BUILT
+        text = built.read_text(encoding="utf-8") if built.is_file() else None
+        where = BUILT.as_posix()
+    if text is None:
+        return None
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(report, dict) or (report.get("from"), report.get("to")) != (old, new):
+        return None
+    return where, report
+
+
+def _summary(report: dict[str, Any]) -> tuple[str, ...]:
+    try:
+        lines = [summary_line(report)]
+    except (KeyError, TypeError):
+        return ()
+    gates = report.get("gates")
+    if isinstance(gates, dict):
+        lines.append("Gates: " + gatefindings.summary(gates) + ".")
+        lines += [f"SM12x answer changed: {line}" for line in gatefindings.sm12x_changes(gates)]
+    return tuple(lines)
+
+
+def review_upstream(root: Path, base: Side, head: Side) -> UpstreamReview | None:
+    """None when vendor/ and its lock are the same on both sides."""
+    if base.lock == head.lock and base.vendor == head.vendor:
+        return None
+    old, new = base.version, head.version
+    found = _report(root, head, old, new)
+    return UpstreamReview(
+        old=old,
+        new=new,
+        old_from=base.lock.tree_from if base.lock else None,
+        new_from=head.lock.tree_from if head.lock else None,
+        report=found[0] if found else None,
+        summary=_summary(found[1]) if found else (),
+    )
