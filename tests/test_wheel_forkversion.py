@@ -19,6 +19,12 @@ def test_top_heading_gives_the_version() -> None:
     assert found.epoch == 1796083200
 
 
+def test_an_unreleased_top_entry_takes_the_last_release_date() -> None:
+    text = "## 0.5.9+sm120.2 - unreleased\n\n- x\n\n## 0.5.9+sm120.1 - 2026-11-29\n"
+    assert parse_changelog(text) == ForkVersion("0.5.9", 2, "2026-11-29")
+    assert parse_changelog("## 0.5.9+sm120.1 - unreleased\n").date == "1980-01-01"
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -3,6 +3,9 @@
 The release number `n` lives in one reviewed place: the first `## ` heading of
 CHANGELOG.md, written as `## 0.5.9+sm120.1 - 2026-11-29`. A rebase onto a new
 upstream release writes a new `+sm120.1` entry, so `n` restarts with each base.
+Between releases the top entry collects changes as `## 0.5.9+sm120.2 -
+unreleased`; a wheel built then takes the date of the last dated entry (its
+files' timestamps stay reproducible).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from packaging.version import InvalidVersion, Version
 
 from sm120fork.errors import FatalError
 
-_HEADING = re.compile(r"##\s+(?P<version>\S+)\s+-\s+(?P<date>\d{4}-\d{2}-\d{2})\s*")
+_HEADING = re.compile(r"##\s+(?P<version>\S+)\s+-\s+(?P<date>\d{4}-\d{2}-\d{2}|unreleased)\s*")
+_DATED = re.compile(r"##\s+\S+\s+-\s+(?P<date>\d{4}-\d{2}-\d{2})\s*")
+UNRELEASED_FALLBACK = "1980-01-01"  # no dated entry yet: the earliest date a zip file holds
 _FORK_VERSION = re.compile(r"(?P<upstream>[^+]+)\+sm120\.(?P<n>[1-9]\d*)")
 
 
@@ -50,11 +55,15 @@ def parse_changelog(text: str, origin: str = "CHANGELOG.md") -> ForkVersion:
                 f"{origin}:{lineno}: the top entry {line.strip()!r} is not like {example}; "
                 "the fork release number comes from that heading"
             )
+        date = heading["date"]
+        if date == "unreleased":
+            below = (_DATED.fullmatch(ln) for ln in text.splitlines()[lineno:])
+            date = next((m["date"] for m in below if m), UNRELEASED_FALLBACK)
         try:
-            datetime.date.fromisoformat(heading["date"])
+            datetime.date.fromisoformat(date)
         except ValueError:
-            raise FatalError(f"{origin}:{lineno}: {heading['date']} is not a date") from None
-        return ForkVersion(version["upstream"], int(version["n"]), heading["date"])
+            raise FatalError(f"{origin}:{lineno}: {date} is not a date") from None
+        return ForkVersion(version["upstream"], int(version["n"]), date)
     raise FatalError(f"{origin} has no `## ` entry; add one like {example} at the top")
 
 
