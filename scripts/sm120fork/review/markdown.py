@@ -11,7 +11,7 @@ from sm120fork.review.mdtext import BODY_LIMIT, bullets, cell, code, details, fe
 from sm120fork.review.model import EFFECTS, PatchReview, Review, RevInfo, SeriesReview
 
 MARKER = "<!-- sm120fork-review -->"  # the workflow finds its own comment by this line
-_LIMITS = (None, 400, 100, 25, 0)
+_LIMITS = (None, 1000, 400, 200, 100, 50, 25, 12, 6, 3, 0)  # lines or items per list
 
 
 def render(review: Review) -> str:
