@@ -6,6 +6,7 @@
   python -m tests.gates.gate_harness rows OBS.json SCENARIO:FIELD [...]
       print [[row]] blocks holding the observed values (to paste into expectations.toml)
   python -m tests.gates.gate_harness markdown OBS.json [--scenario S ...]
+  python -m tests.gates.gate_harness judge OBS.json [--pristine]
       print the observations as Markdown tables (tests/gates/observed-<version>.md)
 
 Use the gate environment's python (the one with torch): see tests/gates/README.md.
@@ -22,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import report, runner, spec, table, trees
+from . import judge, report, runner, spec, table, trees
 
 
 def _tree(value: str, scratch: Path) -> trees.Tree:
@@ -110,6 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     md.add_argument("observations", type=Path)
     md.add_argument("--scenario", action="append", help="only this scenario (repeatable)")
     md.set_defaults(func=cmd_markdown)
+    jd = sub.add_parser("judge", help="judge the table against saved observations")
+    jd.add_argument("observations", type=Path)
+    jd.add_argument("--pristine", action="store_true", help="judge as a pristine tree")
+    jd.set_defaults(func=lambda a: judge.judge(a.observations, a.pristine))
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result
