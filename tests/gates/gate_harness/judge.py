@@ -1,4 +1,4 @@
-"""Judge the expectation table against saved observations: `python -m tests.gates.gate_harness judge`.
+"""Judge the expectation table against saved observations (`gate_harness judge`).
 
 For a maintainer editing rows: the same verdicts the matrix test reaches (patch
 rows must differ on pristine trees, every other row must match), read from
