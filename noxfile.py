@@ -167,6 +167,20 @@ def gate_tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def explain(session: nox.Session) -> None:
+    """What sglang resolves for one checkpoint on one GPU, upstream beside the fork.
+
+    `-- --model-path DIR [--arch sm120] [--tree patched|wheel|DIR] [-- sglang args]`
+    """
+    args = list(session.posargs)
+    if "--tree" in args and args[args.index("--tree") + 1 : args.index("--tree") + 2] == ["wheel"]:
+        args[args.index("--tree") + 1] = str(_installed_fork_wheel(session))
+    python = _gate_env(session)
+    harness = [str(python), "-m", "tests.gates.gate_harness", "explain", *args]
+    session.run(*harness, external=True)
+
+
+@nox.session(python=PYTHON)
 def gate_bench(session: nox.Session) -> None:
     """Time the full gate matrix (benchmarks/gate_matrix.py; `-- --jobs 1 2 3`)."""
     python = _gate_env(session)

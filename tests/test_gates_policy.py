@@ -295,19 +295,40 @@ def test_command_exits_1_when_a_decision_names_a_patch_not_in_the_series(
     )
 
 
-def test_command_flags_need_attention_and_strict_fails(
+def test_command_fails_on_a_wrongly_included_gate_left_included(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """SM12x reaching code it cannot run is a finding, not a note: exit 1 without --strict."""
     policy = POLICY.replace(
         'decision = "patched"\npatch = "sm120-trtllm-mla-guard.patch"',
         'decision = "included"',
     )
     repo = make_repo(tmp_path, SERVER_ARGS, policy)
-    assert main(["-C", str(repo), "gates"]) == EXIT_OK
+    assert main(["-C", str(repo), "gates"]) == EXIT_FINDINGS
     assert "wrongly included (trtllm), decision included" in capsys.readouterr().out
-    assert main(["-C", str(repo), "gates", "--strict"]) == EXIT_FINDINGS
     markdown = (repo / "build" / "gates" / "gates.md").read_text()
     assert "## Wrongly included, not patched or excluded (1)" in markdown
+
+
+def test_command_fails_on_an_open_gate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = POLICY.replace(
+        'decision = "patched"\npatch = "sm120-trtllm-mla-guard.patch"',
+        'decision = "open"',
+    )
+    repo = make_repo(tmp_path, SERVER_ARGS, policy)
+    assert main(["-C", str(repo), "gates"]) == EXIT_FINDINGS
+    assert "open gate (SM12x is wrong here, no fix yet)" in capsys.readouterr().out
+
+
+def test_an_open_reason_needs_the_open_decision(tmp_path: Path) -> None:
+    """An "Open:" reason under another decision would hide the finding in prose."""
+    policy = POLICY.replace(
+        'decision = "patched"\npatch = "sm120-trtllm-mla-guard.patch"\nreason = "',
+        'decision = "included"\nreason = "Open: ',
+    )
+    assert 'reason = "Open: ' in policy
+    repo = make_repo(tmp_path, SERVER_ARGS, policy)
+    assert main(["-C", str(repo), "gates"]) == EXIT_BAD_INPUT
 
 
 def test_command_reports_parse_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -126,6 +126,11 @@ def _decision(table: dict[str, Any], where: str, *, required: bool = True) -> De
     reason = table.get("reason")
     if not isinstance(reason, str) or not reason.strip():
         raise FatalError(f"{where}: every decision needs a reason")
+    if reason.lstrip().lower().startswith("open") and decision != "open":
+        raise FatalError(
+            f"{where}: the reason says the gate is open but the decision is {decision!r}; "
+            'use decision = "open" (which fails `gates`) or write the resolution'
+        )
     patch = table.get("patch")
     if (decision == "patched") != bool(patch):
         raise FatalError(f"{where}: a patch is named with, and only with, decision patched")

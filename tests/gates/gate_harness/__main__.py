@@ -6,6 +6,8 @@
   python -m tests.gates.gate_harness rows OBS.json SCENARIO:FIELD [...]
       print [[row]] blocks holding the observed values (to paste into expectations.toml)
   python -m tests.gates.gate_harness markdown OBS.json [--scenario S ...]
+  python -m tests.gates.gate_harness judge OBS.json [--pristine]
+  python -m tests.gates.gate_harness explain --model-path DIR [--arch A ...] [-- sglang args]
       print the observations as Markdown tables (tests/gates/observed-<version>.md)
 
 Use the gate environment's python (the one with torch): see tests/gates/README.md.
@@ -22,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import report, runner, spec, table, trees
+from . import explain, judge, report, runner, spec, table, trees
 
 
 def _tree(value: str, scratch: Path) -> trees.Tree:
@@ -92,6 +94,19 @@ def cmd_markdown(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    extra = list(args.sglang_args)
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    try:
+        text = explain.explain(args.model_path, args.arch or ["sm120"], args.tree, extra, args.json)
+    except explain.ExplainError as exc:
+        print(f"explain: {exc}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.gates.gate_harness")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     md.add_argument("observations", type=Path)
     md.add_argument("--scenario", action="append", help="only this scenario (repeatable)")
     md.set_defaults(func=cmd_markdown)
+    ex = sub.add_parser("explain", help="one checkpoint on one GPU: upstream beside the fork")
+    ex.add_argument("--model-path", type=Path, required=True, help="checkpoint dir (config.json)")
+    ex.add_argument("--arch", action="append", help="architecture (repeatable; default sm120)")
+    ex.add_argument(
+        "--tree", default=trees.PATCHED, help="the fork: patched, or a dir with sglang/"
+    )
+    ex.add_argument("--json", type=Path, help="also write the comparison here")
+    ex.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then sglang arguments")
+    ex.set_defaults(func=cmd_explain)
+    jd = sub.add_parser("judge", help="judge the table against saved observations")
+    jd.add_argument("observations", type=Path)
+    jd.add_argument("--pristine", action="store_true", help="judge as a pristine tree")
+    jd.set_defaults(func=lambda a: judge.judge(a.observations, a.pristine))
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

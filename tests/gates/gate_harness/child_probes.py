@@ -17,7 +17,12 @@ import importlib
 import importlib.util
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING or __package__:
+    from . import load_probes
+else:  # loaded by child.py as a script: this directory is sys.path[0]
+    import load_probes
 
 Observation = dict[str, Any]
 Probe = Callable[[Any], Observation]
@@ -299,6 +304,18 @@ def probe_triton_tiles(_: Any) -> Observation:
     return out
 
 
+def probe_nvfp4_moe(server_args: Any) -> Observation:
+    """The NVFP4 MoE runner chosen at model load (an ``auto`` left by ServerArgs)."""
+    backend = load_probes.nvfp4_moe_runner(server_args, _publish, Unavailable)
+    return {"modelopt_quant.nvfp4_moe_runner_backend": plain(backend)}
+
+
+def probe_muse_spark_moe(server_args: Any) -> Observation:
+    """The runner Muse Spark's packed-NVFP4 experts pick at model load."""
+    backend = load_probes.muse_spark_moe_runner(server_args, _publish, Unavailable)
+    return {"muse_spark_fp4_moe.moe_runner_backend": plain(backend)}
+
+
 # name -> (probe, the fields it reports: all of them record the error if it raises)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "allreduce_fusion": (
@@ -315,6 +332,8 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "fp4_gemm": (probe_fp4_gemm, ("fp4_utils.fp4_gemm_runner_backend",)),
     "deep_gemm": (probe_deep_gemm, tuple(f"deep_gemm.{f}" for f in DEEP_GEMM_FLAGS)),
     "triton_tiles": (probe_triton_tiles, ()),
+    "nvfp4_moe": (probe_nvfp4_moe, ("modelopt_quant.nvfp4_moe_runner_backend",)),
+    "muse_spark_moe": (probe_muse_spark_moe, ("muse_spark_fp4_moe.moe_runner_backend",)),
 }
 
 

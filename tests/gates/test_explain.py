@@ -1,0 +1,59 @@
+"""`explain` for one checkpoint: upstream beside the fork, and its bad input.
+
+The GLM-4.x NVFP4 checkpoint as NVIDIA ships it, on a faked SM120: upstream leaves
+the MoE runner at auto and loads trtllm-gen FP4 MoE (flagged: no SM12x kernels);
+the fork declares modelopt_fp4 and picks flashinfer_cutlass, naming the patch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .gate_harness import explain
+
+ROOT = Path(__file__).resolve().parents[2]
+GLM4 = ROOT / "tests" / "gates" / "models" / "glm4_moe_nvfp4"
+
+
+def _explain(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "tests.gates.gate_harness", "explain", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+
+
+def test_a_directory_without_config_json_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    done = _explain("--model-path", str(tmp_path))
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert (
+        done.stderr == f"explain: {tmp_path} has no config.json; pass the checkpoint "
+        "directory (config.json is enough, no weights needed)\n"
+    )
+
+
+def test_sglang_arguments_become_server_args_keywords() -> None:
+    assert explain.scenario_args(["--tp", "8", "--quantization=modelopt_fp4", "--x-y"]) == {
+        "tp_size": 8,
+        "quantization": "modelopt_fp4",
+        "x_y": True,
+    }
+
+
+def test_glm4_nvfp4_on_sm120_upstream_beside_the_fork(tmp_path: Path) -> None:
+    out = tmp_path / "explain.json"
+    done = _explain(
+        "--model-path", str(GLM4), "--arch", "sm120", "--json", str(out), "--", "--tp", "8"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "## glm4_moe_nvfp4 on sm120" in done.stdout
+    lines = {line["field"]: line for line in json.loads(out.read_text())["archs"]["sm120"]}
+    runner = lines["moe_runner_backend"]
+    assert (runner["upstream"], runner["fork"]) == ("auto", "flashinfer_cutlass")
+    assert "sm120-nvfp4-moe-checkpoint.patch" in runner["patches"]
+    loaded = lines["modelopt_quant.nvfp4_moe_runner_backend"]
+    assert (loaded["upstream"], loaded["fork"]) == ("flashinfer_trtllm", "flashinfer_cutlass")
+    assert loaded["upstream_warning"] == "no SM12x kernels (trtllm)"
+    assert loaded["warning"] is None
+    assert "| moe_runner_backend | auto | flashinfer_cutlass | " in done.stdout
