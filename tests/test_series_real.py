@@ -1,6 +1,6 @@
 """The fork's own series on the vendored tree, through the standard tools.
 
-DESIGN.md: the series applies with GNU `quilt push -a` and with `git apply` in
+docs/contract.md: the series applies with GNU `quilt push -a` and with `git apply` in
 order, with no offset and no fuzz, and each patch is `git am`-able upstream.
 """
 

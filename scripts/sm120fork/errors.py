@@ -7,7 +7,7 @@ with its code. Any other exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-# Exit codes shared by every command (see DESIGN.md "Commands").
+# Exit codes shared by every command (see docs/contract.md "Commands").
 EXIT_OK = 0
 EXIT_FINDINGS = 1  # check found problems, rebase stopped on a conflict, gates unreviewed
 EXIT_BAD_INPUT = 2

@@ -1,4 +1,4 @@
-"""Where things live in the fork's repository (DESIGN.md "Files")."""
+"""Where things live in the fork's repository (docs/contract.md "Files")."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class GateDiff:
     unreviewed: tuple[Gate, ...]
 
     def to_json(self) -> dict[str, list[dict[str, Any]]]:
-        """The `gates` object of DESIGN.md's rebase report."""
+        """The `gates` object of the rebase report (docs/contract.md)."""
         return {
             "new": [g.to_json() for g in self.new],
             "changed": [c.to_json() for c in self.changed],

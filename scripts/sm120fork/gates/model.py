@@ -1,6 +1,6 @@
 """The records of the gate inventory: architectures, gate sites, inventories.
 
-Everything here is immutable. A `Gate` is what DESIGN.md "The gate inventory"
+Everything here is immutable. A `Gate` is what docs/contract.md "The gate inventory"
 describes, plus its identity (`key`, `id`) and the scanner's view of the code
 it guards (`Guarded`), which the policy and the release diff use but the
 JSON leaves out.
@@ -34,7 +34,7 @@ class Arch(NamedTuple):
         return self.major * 10 + self.minor
 
 
-# sm120-gates.md "Architectures to cover"; every arch runs a CUDA new enough
+# docs/sm120-gates.md "Architectures covered"; every arch runs a CUDA new enough
 # for the helpers (12.8), which is what the helpers' names promise.
 ARCHS: tuple[Arch, ...] = (
     Arch("sm80", 8, 0),

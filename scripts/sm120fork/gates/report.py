@@ -1,6 +1,6 @@
 """Write the inventory (and a release diff) as JSON and Markdown.
 
-`build/gates/gates.json` is the list DESIGN.md fixes, one object per gate;
+`build/gates/gates.json` is the list docs/contract.md fixes, one object per gate;
 `summary.json` holds the counts and findings (unreviewed, wrongly included,
 scan problems, stale policy entries); `gates.md` is the readable table,
 findings first. A diff between releases goes to `diff.json` / `diff.md`.

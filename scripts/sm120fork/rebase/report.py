@@ -1,4 +1,4 @@
-"""build/rebase/report.json (DESIGN.md "The rebase report") and report.md (a PR description)."""
+"""build/rebase/report.json and report.md (a PR description); see docs/contract.md."""
 
 from __future__ import annotations
 
