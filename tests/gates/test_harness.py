@@ -139,8 +139,10 @@ def test_markdown_footnotes_errors_and_omits_missing_fields() -> None:
 
 
 def test_child_stays_a_standalone_script() -> None:
-    """runner.py runs child.py as a script: it may load only its sibling child_probes."""
+    """runner.py runs child.py as a script: it may load only its siblings child_probes and
+    (through child_probes) load_probes, each of which falls back to a plain import."""
     here = Path(child.__file__).parent
     relative = re.compile(r"^\s*from \.(\S*) import (.+)$", re.MULTILINE)
     assert relative.findall((here / "child.py").read_text()) == [("", "child_probes")]
-    assert relative.findall((here / "child_probes.py").read_text()) == []
+    assert relative.findall((here / "child_probes.py").read_text()) == [("", "load_probes")]
+    assert relative.findall((here / "load_probes.py").read_text()) == []
