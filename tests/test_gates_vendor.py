@@ -76,7 +76,8 @@ def test_the_patched_gates(inventory: Inventory) -> None:
     assert (answers(dsa), dsa.wrongly_included_token) == ("FFFTTTT", "trtllm")
     assert dsa.patch == "sm120-nsa-guard.patch"
     fp4 = gate_at(inventory, "layers/quantization/fp4_utils.py", 157)
-    assert (answers(fp4), fp4.patch) == ("TTTFFFF", "sm120-fp4-gemm-cudnn.patch")
+    # SM12x falls through to upstream's flashinfer_cutlass (sm120-fp4-gemm-cudnn dropped, #13).
+    assert (answers(fp4), fp4.patch, fp4.decision) == ("TTTFFFF", None, "excluded")
     tiles = gate_at(inventory, "kernels/ops/attention/prefill_attention.py", 180)
     assert (answers(tiles), tiles.patch) == ("FFTTTTT", "sm120-triton-attention-tiles.patch")
     olmo = gate_at(inventory, "arg_groups/model_overrides/olmo2.py", 27)

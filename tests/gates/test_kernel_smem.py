@@ -1,0 +1,121 @@
+"""Shared memory of attention kernels compiled for SM120, against SM12x's per-block limit.
+
+The figures the patch headers cite (sm120-triton-attention-tiles, sm120-nsa-guard) come
+from here: each kernel of vendor/sglang is compiled (Triton) or lowered (TileLang) for
+target sm_120 with the gate environment's own Triton / TileLang, no GPU needed, and its
+shared-memory size is read from the result. SM12x allows 99 KiB per block
+(archs.toml: smem_per_block_optin_kib), SM90/SM100 227 KiB.
+
+Runs in the gate environment (`nox -s gate_tests`). A new Triton or TileLang pin may move
+the exact byte counts: re-measure, then update the patch headers with them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .gate_harness import spec
+
+pytest.importorskip("triton")
+
+SM120 = {a.name: a for a in spec.load_archs()}["sm120"]
+LIMIT = int(SM120.values["smem_per_block_optin_kib"]) * 1024  # 101376
+MAJOR, MINOR = SM120.capability
+
+# Runs in a fresh interpreter with vendor/sglang first on sys.path (never the installed
+# sglang), prints {case: shared-memory bytes}.
+MEASURE = textwrap.dedent(
+    """
+    import inspect, json, re, sys
+    sys.path.insert(0, sys.argv[1])
+    cap = int(sys.argv[2])
+    import sglang
+    assert sglang.__file__.startswith(sys.argv[1]), sglang.__file__
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from sglang.kernels.ops.attention.prefill_attention import _fwd_kernel
+
+    def triton_prefill(block, lk):
+        # context_attention_fwd's launch: BLOCK_M = BLOCK_N = BLOCK, 8 warps for Lk > 64.
+        names = list(inspect.signature(_fwd_kernel.fn).parameters)
+        const = dict(kv_group_num=1, BLOCK_M=block, BLOCK_DMODEL=triton.next_power_of_2(lk),
+                     BLOCK_N=block, IS_CAUSAL=True, Lk=lk)
+        sig = {}
+        for n in names:
+            if n in const:
+                sig[n] = "constexpr"
+            elif n in ("Q", "K", "V", "Out"):
+                sig[n] = "*bf16"
+            elif n in ("B_Start_Loc", "B_Seqlen"):
+                sig[n] = "*i32"
+            elif n == "sm_scale":
+                sig[n] = "fp32"
+            else:
+                sig[n] = "i32"
+        src = ASTSource(fn=_fwd_kernel, signature=sig,
+                        constexprs={(names.index(k),): v for k, v in const.items()})
+        options = dict(num_warps=8 if lk > 64 else 4, num_stages=1)
+        kernel = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options)
+        return kernel.metadata.shared
+
+    import tilelang
+    from tilelang import tvm
+    from sglang.kernels.ops.attention.dsa import tilelang_kernel as tk
+
+    def tilelang_dyn_smem(jit, *args, **kwargs):
+        target = tvm.target.Target({"kind": "cuda", "arch": f"sm_{cap}"})
+        tir = jit.get_tir(*args, **kwargs)
+        with tvm.transform.PassContext(config=jit.pass_configs or {}), target:
+            lowered = tilelang.lower(tir, target=target)
+        sizes = re.findall(r'"dyn_shared_memory_buf": (\\d+)', lowered.device_mod.script())
+        return max(int(s) for s in sizes)
+
+    # DeepSeek V3.2 / GLM-5 DSA at TP8: 16 query heads per rank, d_v 512 + 64 rope, top-k 2048,
+    # with the tiles tilelang_sparse_fwd picks on CUDA (bf16 KV: the v2 kernel's defaults;
+    # FP8 KV: block_I 32, 128 threads).
+    out = {
+        "triton_prefill[128x128,Lk=256]": triton_prefill(128, 256),
+        "triton_prefill[64x64,Lk=256]": triton_prefill(64, 256),
+        "triton_prefill[128x128,Lk=128]": triton_prefill(128, 128),
+        "tilelang_dsa_bf16[h=16]": tilelang_dyn_smem(
+            tk.sparse_attention_fwd_kernel_v2, 16, 512, 64, 2048, sm_scale=0.1),
+        "tilelang_dsa_fp8[h=16]": tilelang_dyn_smem(
+            tk.sparse_mla_fwd_decode_partial_fp8, 16, 512, 64, 2048, sm_scale=0.1,
+            block_I=32, inner_iter=1, threads=128),
+    }
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def smem() -> dict[str, int]:
+    proc = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(spec.VENDOR_PYTHON), f"{MAJOR}{MINOR}"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, int] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_triton_prefill_tiles(smem: dict[str, int]) -> None:
+    """sm120-triton-attention-tiles: Hopper's 128-wide tiles overflow SM12x at head_dim 256."""
+    assert smem["triton_prefill[128x128,Lk=256]"] == 163840 > LIMIT
+    assert smem["triton_prefill[64x64,Lk=256]"] == 73728 <= LIMIT
+    assert smem["triton_prefill[128x128,Lk=128]"] == 65536 <= LIMIT
+
+
+def test_tilelang_dsa_kernels(smem: dict[str, int]) -> None:
+    """sm120-nsa-guard: TileLang DSA runs on SM12x with an FP8 KV cache only."""
+    assert smem["tilelang_dsa_bf16[h=16]"] == 170048 > LIMIT
+    assert smem["tilelang_dsa_fp8[h=16]"] == 28288 <= LIMIT
