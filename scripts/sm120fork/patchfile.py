@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sm120fork import dep3, unidiff
+from sm120fork import dep3, diffs
 from sm120fork.errors import FatalError
 from sm120fork.lines import split_lines
 
@@ -26,7 +26,7 @@ class PatchFile:
     strip: int
     header: dep3.Dep3Header
     header_lines: int  # lines before the diff part, separator included
-    files: tuple[unidiff.FileDiff, ...]
+    files: tuple[diffs.FileDiff, ...]
     raw: bytes
 
     @property
@@ -56,14 +56,14 @@ def parse_patch(raw: bytes, name: str, strip: int = 1) -> PatchFile:
             name, 1, "is empty; delete it and its series entry, or write the change"
         )
     lines = split_lines(text)
-    start = unidiff.diff_start(lines)
+    start = diffs.diff_start(lines)
     if start is None:
         raise PatchFileError(name, len(lines), "contains no diff ('--- a/...' '+++ b/...')")
     header_text = "".join(lines[:start])
     header_text = _without_separator(header_text)
     try:
-        files = unidiff.parse_diff("".join(lines[start:]), strip=strip, first_lineno=start + 1)
-    except unidiff.DiffError as error:
+        files = diffs.parse_diff("".join(lines[start:]), strip=strip, first_lineno=start + 1)
+    except diffs.DiffError as error:
         raise PatchFileError(name, error.lineno, error.message) from error
     if not files:
         raise PatchFileError(name, start + 1, "contains no file changes")
@@ -86,7 +86,7 @@ def _without_separator(header_text: str) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _refuse_duplicate_files(name: str, files: tuple[unidiff.FileDiff, ...]) -> None:
+def _refuse_duplicate_files(name: str, files: tuple[diffs.FileDiff, ...]) -> None:
     seen: set[str] = set()
     for file_diff in files:
         if file_diff.path in seen:

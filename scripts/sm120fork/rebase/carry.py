@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
 from sm120fork.applier import ApplyError, Overlay, PatchResult, apply_patch
+from sm120fork.diffs import FileDiff, Hunk, HunkLine
 from sm120fork.intent.model import Intent
 from sm120fork.intent.reapply import Reapplied, reapply
 from sm120fork.normalform import DiffRenderer, render_patch
@@ -39,7 +40,6 @@ from sm120fork.rebase.conflicts import describe
 from sm120fork.rebase.names import broken_lines
 from sm120fork.rebase.state import Conflict, PatchState, Status, Target
 from sm120fork.rebase.workrepo import WorkRepo
-from sm120fork.unidiff import FileDiff, Hunk, HunkLine
 
 _FLIP = {"+": "-", "-": "+", " ": " "}
 

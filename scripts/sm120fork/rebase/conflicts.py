@@ -17,10 +17,10 @@ pristine new upstream file, the numbers a person finds in upstream's tree.
 from __future__ import annotations
 
 import ast
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from sm120fork.diffs import git_hunks
 from sm120fork.gates.semantics import TOKENS
 from sm120fork.lines import split_lines
 from sm120fork.patchfile import PatchFile
@@ -29,7 +29,6 @@ from sm120fork.rebase.workrepo import WorkRepo
 
 _MARKERS = ("<<<<<<< ", "||||||| ", ">>>>>>> ")
 _SEPARATOR = "======="
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 
 
 def describe(repo: WorkRepo, tip: str, upstream: str, patch: PatchFile) -> tuple[Conflict, ...]:
@@ -108,10 +107,7 @@ def _to_upstream(repo: WorkRepo, tip: str, upstream: str, path: str) -> Callable
     if repo.read(upstream, path) is None:  # an earlier patch created it: ours is all there is
         return lambda line: line
     diff = repo.out("diff", "-U0", "--no-renames", "--no-color", upstream, tip, "--", path)
-    hunks = [
-        tuple(int(n) if n is not None else 1 for n in match.groups())
-        for match in _HUNK.finditer(diff)
-    ]
+    hunks = [(h.old_start, h.old_count, h.new_start, h.new_count) for h in git_hunks(diff)]
 
     def mapped(line: int) -> int:
         shift = 0

@@ -17,13 +17,11 @@ import, a name injected at run time), is not reported.
 from __future__ import annotations
 
 import ast
-import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from sm120fork.diffs import git_hunks
 from sm120fork.rebase.workrepo import WorkRepo
-
-_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -65,9 +63,8 @@ def broken_lines(repo: WorkRepo, old: str, new: str, before: str = "") -> list[B
 def _added_lines(repo: WorkRepo, old: str, new: str, path: str) -> set[int]:
     diff = repo.out("diff", "-U0", "--no-renames", "--no-color", old, new, "--", path)
     added: set[int] = set()
-    for match in _HUNK.finditer(diff):
-        start, count = int(match.group(1)), int(match.group(2) or 1)
-        added.update(range(start, start + count))
+    for hunk in git_hunks(diff):
+        added.update(range(hunk.new_start, hunk.new_start + hunk.new_count))
     return added
 
 

@@ -7,13 +7,11 @@ the interdiff keeps the hunks that overlap what the patch changes.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from sm120fork.diffs import parse_diff
 from sm120fork.lines import split_lines
-
-_HUNK = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 Span = tuple[int, int]  # first line, one past the last (1-based)
 
@@ -29,32 +27,21 @@ class Block:
     new: Span
 
 
-def _span(start: str, count: str | None) -> Span:
-    first, length = int(start), 1 if count is None else int(count)
-    return (first, first + max(length, 1))
+def _span(start: int, count: int) -> Span:
+    return (start, start + max(count, 1))
 
 
 def blocks(diff: str) -> list[Block]:
+    """Each hunk of `diff` (git's output) with the text it has there, header included."""
+    lines = split_lines(diff)
     found: list[Block] = []
-    path, header, hunk, spans = "", "", "", ((0, 0), (0, 0))
-
-    def close() -> None:
-        if hunk:
-            found.append(Block(path, header, hunk, *spans))
-
-    for line in split_lines(diff):
-        if line.startswith("diff --git "):
-            close()
-            path, header, hunk = line.split(" b/", 1)[-1].strip(), line, ""
-        elif not hunk and line.startswith(("--- ", "+++ ", "new file", "deleted file")):
-            header += line
-        elif (match := _HUNK.match(line)) is not None:
-            close()
-            hunk = line
-            spans = (_span(match[1], match[2]), _span(match[3], match[4]))
-        else:
-            hunk += line
-    close()
+    for file in parse_diff(diff):
+        first = file.hunks[0].lineno - 1
+        header = "".join(lines[file.lineno - 1 : first])
+        for hunk in file.hunks:
+            text = "".join(lines[hunk.lineno - 1 : hunk.lineno - 1 + hunk.diff_lines])
+            old, new = _span(hunk.old_start, hunk.old_count), _span(hunk.new_start, hunk.new_count)
+            found.append(Block(file.path, header, text, old, new))
     return found
 
 
