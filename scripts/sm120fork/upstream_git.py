@@ -69,7 +69,7 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
         raise FatalError(
             f"{tag} of {public_url(url)} has no {SUBTREE}/; is it sglang's repository?"
         )
-    blobs = _read_blobs(git, [oid for oid, _ in entries.values()], workdir)
+    blobs = _read_blobs(git_dir, [oid for oid, _ in entries.values()], workdir)
     written, skipped = 0, []
     for path, (oid, mode) in sorted(entries.items()):
         data = blobs[oid]
@@ -100,19 +100,14 @@ def _entries(listing: bytes, tag: str) -> dict[str, tuple[str, str]]:
     return entries
 
 
-def _read_blobs(git: list[str], oids: list[str], workdir: Path) -> dict[str, bytes]:
-    unique = sorted(set(oids))
-    out = gitcmd.run(
-        [*git, "cat-file", "--batch"], workdir, input="".join(f"{o}\n" for o in unique).encode()
-    ).stdout
+def _read_blobs(git_dir: Path, oids: list[str], workdir: Path) -> dict[str, bytes]:
     blobs: dict[str, bytes] = {}
-    position = 0
-    for oid in unique:
-        end = out.index(b"\n", position)
-        header = out[position:end].decode("ascii", "replace").split()
-        if len(header) != 3 or header[0] != oid:
-            raise FatalError(f"git could not read object {oid} of the fetched tag; fetch it again")
-        size = int(header[2])
-        blobs[oid] = out[end + 1 : end + 1 + size]
-        position = end + 1 + size + 1  # the batch format ends each object with a newline
+    with gitcmd.ObjectReader(workdir, git_dir) as objects:
+        for oid in sorted(set(oids)):
+            data = objects.read(oid)
+            if data is None:
+                raise FatalError(
+                    f"git could not read object {oid} of the fetched tag; fetch it again"
+                )
+            blobs[oid] = data
     return blobs

@@ -6,7 +6,9 @@ release as a commit whose parent is the previous base. Carrying a patch is
 merge base is the tree the patch was made against. The work tree is where a
 person resolves a conflict. Commits use a fixed identity and date, and the
 repository's own config turns off whatever a user's config could change
-(hooks, signing, rerere, the conflict style).
+(hooks, signing, rerere, the conflict style). Files of its commits are read
+through one `git cat-file --batch` for the repository's lifetime: a rebase
+reads every file each patch changes, before and after, at every release.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from sm120fork import gitcmd
@@ -121,6 +124,11 @@ class WorkRepo:
         """Every file of HEAD."""
         return [path for path in self.git("ls-files", "-z").stdout.decode().split("\0") if path]
 
+    @cached_property
+    def _objects(self) -> gitcmd.ObjectReader:
+        return gitcmd.ObjectReader(self.root)
+
     def read(self, commit: str, path: str) -> str | None:
-        result = self.git("cat-file", "blob", f"{commit}:{path}", check=False)
-        return result.stdout.decode("utf-8") if result.returncode == 0 else None
+        """`path` at `commit`, None when that commit has no such file."""
+        data = self._objects.read(f"{commit}:{path}")
+        return data.decode("utf-8") if data is not None else None

@@ -110,24 +110,8 @@ def list_files(root: Path, rev: Rev, directory: str) -> tuple[str, ...]:
 
 def read_files(root: Path, rev: Rev, paths: Iterable[str]) -> dict[str, bytes | None]:
     """Each path's bytes at `rev` (None: no such file there), from one `git cat-file`."""
-    wanted = list(dict.fromkeys(paths))
-    if not wanted:
-        return {}
-    request = "".join(f"{rev.commit}:{path}\n" for path in wanted).encode("utf-8")
-    out = gitcmd.run(["cat-file", "--batch"], root, input=request).stdout
-    found: dict[str, bytes | None] = {}
-    position = 0
-    for path in wanted:
-        end = out.index(b"\n", position)
-        header = out[position:end].split()
-        position = end + 1
-        if len(header) != 3 or header[1] != b"blob":
-            found[path] = None
-            continue
-        size = int(header[2])
-        found[path] = out[position : position + size]
-        position += size + 1
-    return found
+    with gitcmd.ObjectReader(root) as objects:
+        return {path: objects.read(f"{rev.commit}:{path}") for path in dict.fromkeys(paths)}
 
 
 def read_text(root: Path, rev: Rev, path: str) -> str | None:
