@@ -7,7 +7,9 @@ the same real upstream inputs, as ratios of medians from one run.
 Rows (see bench_series.py and bench_upstream.py for what each side does):
 apply the series (vs `cp -a` + `quilt push -a`), carry it 0.5.9 -> 0.5.10 (vs
 `git am -3` by hand), the gate inventory of 0.5.23 (vs `grep -rn`), the wheel
-of 0.5.9 and 0.5.23 (vs `wheel unpack` + `wheel pack`), and the test suite
+of 0.5.9 and 0.5.23 (vs `wheel unpack` + `wheel pack`), the git boundary
+(GitPython and one `cat-file --batch`, vs the subprocess-a-command boundary before
+#18; see bench_git.py), and the test suite
 (only with --with-tests; otherwise the last measured value, marked so). Then
 how apply and check grow with synthetic series of --sizes patches.
 
@@ -32,11 +34,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_git
 import bench_series
 import bench_upstream
 from bench_common import PROJECT, Row, describe, machine, table
 
-GROUPS = ("apply", "rebase", "gates", "wheel", "growth")
+GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth")
 OUT = PROJECT / "build" / "bench"
 
 
@@ -71,6 +74,9 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
         for repo, label in ((pinned, "the pinned release"), (newest, bench_upstream.NEWEST)):
             _say(f"wheel: {label}, ours vs wheel unpack + pack")
             rows.append(bench_upstream.wheel_row(args.runs, repo, label, sub(label)))
+    if "git" in chosen and bench_git.available():
+        _say("git: the git boundary, GitPython vs the boundary before #18")
+        rows.extend(bench_git.rows(args.runs))
     if "growth" in chosen:
         _say(f"growth: synthetic series of {args.sizes} patches")
         growth = bench_series.growth(args.runs, args.sizes, sub("growth"))
