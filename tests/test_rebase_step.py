@@ -19,7 +19,10 @@ def test_step_names_the_first_release_that_broke_each_patch(request: pytest.Fixt
     fork = make_rebase_fork(request, versions, SERIES)
     result = fork.rebase("v0.5.11", "--step")
     assert result.returncode == 0, result.stderr
-    assert "[0.5.11] carrying patch 1/3 0001-a.patch: merged" in result.stderr
+    assert (
+        "release 2/2 sglang 0.5.11: carrying patch 1/3 0001-a.patch: merged (3-way merge by git"
+        in result.stderr
+    )
     report = fork.report()
     assert report["releases"] == ["0.5.10", "0.5.11"]
     found = {p["name"]: (p["status"], p["first_break"]) for p in report["patches"]}

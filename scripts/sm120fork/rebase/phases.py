@@ -14,11 +14,12 @@ from sm120fork.errors import EXIT_FINDINGS, FatalError
 from sm120fork.intent.model import load_intents
 from sm120fork.normalform import DiffRenderer
 from sm120fork.patchfile import parse_patch
+from sm120fork.progress import Counter, Progress
 from sm120fork.rebase import ledger, targets
 from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, checked, finish
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
-from sm120fork.rebase.run import Run, say
+from sm120fork.rebase.run import PREFIX, Run, say
 from sm120fork.rebase.state import RebaseState, crash_point
 from sm120fork.rebase.workrepo import WorkRepo
 
@@ -63,20 +64,39 @@ def prepare(run: Run, state: RebaseState) -> RebaseState:
     return state
 
 
+_STRATEGY = {
+    "clean": "applies unchanged",
+    "offset": "at shifted lines, refreshed",
+    "merged": "3-way merge by git, refreshed",
+    "resolved": "re-applied by its intent",
+    "upstreamed": "upstream has it, dropped",
+    "conflict": "needs a person",
+}
+
+
 def carry_all(run: Run, state: RebaseState) -> RebaseState:
     """Carry the series onto each target in turn; stop at a conflict (not in a dry run)."""
     repo = WorkRepo(run.work)
-    with DiffRenderer() as renderer:
+    with DiffRenderer() as renderer, Progress(PREFIX) as shown:
+        releases = shown.add("releases", len(state.targets), state.release_index)
+        patches = shown.add("patches", len(state.patches), state.patch_index)
         while state.release_index < len(state.targets):
-            state = _carry_release(run, repo, renderer, state)
+            shown.update(releases, name=f"release sglang {state.target.version}")
+            state = _carry_release(run, repo, renderer, state, (shown, patches))
             if state.phase == "conflict":
                 return state
+            shown.update(releases, completed=state.release_index)
     return run.save(replace(state, phase="finalize"))
 
 
 def _carry_release(
-    run: Run, repo: WorkRepo, renderer: DiffRenderer, state: RebaseState
+    run: Run,
+    repo: WorkRepo,
+    renderer: DiffRenderer,
+    state: RebaseState,
+    display: tuple[Progress, Counter],
 ) -> RebaseState:
+    shown, patches = display
     index = state.release_index
     if not state.tip:
         target = state.target
@@ -85,18 +105,28 @@ def _carry_release(
         state = state.with_target(index, replace(target, base_commit=base))
         state = run.save(replace(state, tip=base, patch_index=0))
     repo.checkout(state.tip)  # also whatever a crash left in the work tree
-    where = f"[{state.target.version}] " if state.step_mode else ""
+    releases = len(state.targets)
+    where = (
+        f"release {index + 1}/{releases} sglang {state.target.version}: " if releases > 1 else ""
+    )
     intents = load_intents(run.paths.patches_dir / "intents.toml")
     total = len(state.patches)
+    shown.update(patches, completed=state.patch_index)
     for number in range(state.patch_index, total):
         patch = state.patches[number]
         if patch.status in ("upstreamed", "conflict"):
+            shown.update(patches, completed=number + 1)
             continue  # dropped at an earlier release, or a dry run went past its conflict
+        shown.update(patches, name=f"patch {patch.name}")
         outcome = carry(repo, patch, state.tip, state.target, renderer, intents.get(patch.name))
         outcome = checked(repo, state.tip, outcome, state.target.version, patch.commit)
         crash_point("mid-carry")
         state = ledger.record(state, number, outcome)
-        say(f"{where}carrying patch {number + 1}/{total} {patch.name}: {outcome.status}")
+        how = _STRATEGY.get(outcome.status, outcome.status)
+        shown.line(
+            f"{where}carrying patch {number + 1}/{total} {patch.name}: {outcome.status} ({how})"
+        )
+        shown.update(patches, completed=number + 1)
         if outcome.status == "conflict" and run.dry_run:
             repo.checkout(state.tip)  # predict the later patches without this one
         elif outcome.status == "conflict":

@@ -11,10 +11,12 @@ from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gatefindings, targets
 from sm120fork.rebase.state import RebaseState, Store
 
+PREFIX = "sm120fork rebase"
+
 
 def say(message: str) -> None:
     """Progress, on stderr."""
-    print(f"sm120fork rebase: {message}", file=sys.stderr, flush=True)
+    print(f"{PREFIX}: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
