@@ -5,21 +5,25 @@ The logic lives in the package; sessions only install and forward arguments.
 
 from __future__ import annotations
 
-import os
-import re
+import shutil
 import sys
 from pathlib import Path
 
 import nox
+import nox.virtualenv
+from packaging.version import Version
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+# Where the gate environment lives (standard library only; its install runs in a session).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from sm120fork import gateenv
 
 nox.options.sessions = ["check", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
+# Every session uses the standard library's venv. nox still asks for uv while it picks
+# a backend and logs "uv binary not found." each time; where there is none, say so.
+if shutil.which("uv") is None:
+    nox.virtualenv.HAS_UV, nox.virtualenv.UV, nox.virtualenv.UV_VERSION = False, "uv", Version("0")
 
 PYTHON = "3.11"
 TOOL = ["python", "-m", "sm120fork"]
@@ -55,7 +59,7 @@ def tests(session: nox.Session) -> None:
     # The expectation table again, against the fork's wheel as a user installs it (the
     # harness's own tests and the intent rebase do not depend on the tree: not repeated).
     wheel_site = str(_installed_fork_wheel(session))
-    _run_gate_tests(session, ["--gate-tree", wheel_site], target=GATE_MATRIX)
+    _run_gate_tests(session, ["--gate-tree", f"installed-wheel={wheel_site}"], target=GATE_MATRIX)
 
 
 @nox.session(python=PYTHON)
@@ -95,48 +99,18 @@ def review(session: nox.Session) -> None:
 # They run in their own environment: upstream sglang's wheel with its pinned
 # dependencies (torch+CUDA, sgl-kernel, flashinfer, ... ~11 GB), because sglang
 # imports its CUDA extensions once torch.cuda is faked as available. The venv lives
-# outside the checkout, keyed by the vendored version, so fresh clones reuse it; pip
-# reinstalls only when the requirements below change. The tested sglang tree shadows
-# the installed one through sys.path (see tests/gates/README.md).
+# outside the checkout (~/.cache/sglang-sm120/gate-env-<version>), so fresh clones
+# reuse it; `sm120fork.gateenv` installs it, a line per phase, pip's output in a log.
+# The tested sglang tree shadows the installed one through sys.path (tests/gates/README.md).
 
 GATE_TESTS = "tests/gates"
 GATE_MATRIX = f"{GATE_TESTS}/test_gate_matrix.py"
 
 
-def _vendored_version() -> str:
-    lock = Path("vendor/sglang.lock")
-    if lock.is_file():
-        return str(tomllib.loads(lock.read_text())["version"])
-    text = Path("vendor/sglang/python/sglang/_version.py").read_text()
-    match = re.search(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]", text)
-    if not match:
-        raise RuntimeError("cannot tell the vendored sglang version: no vendor/sglang.lock")
-    return match.group(1)
-
-
-def _gate_requirements(version: str) -> list[str]:
-    """Upstream's wheel (it brings its own pins), pytest, and the tool's own deps
-    (`sm120fork apply` builds the patched tree inside the gate run)."""
-    tool_deps = tomllib.loads(Path("pyproject.toml").read_text())["project"]["dependencies"]
-    return [f"sglang=={version}", "pytest>=8", *tool_deps]
-
-
 def _gate_env(session: nox.Session) -> Path:
-    """The gate venv's python, created or updated as needed."""
-    version = _vendored_version()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    venv = Path(os.environ.get("SM120_GATE_ENV") or cache / "sglang-sm120" / f"gate-env-{version}")
-    python = venv / "bin" / "python"
-    stamp = venv / "sm120-gate-requirements.txt"
-    requirements = _gate_requirements(version)
-    wanted = "\n".join(requirements) + "\n"
-    if not python.exists():
-        session.run("python", "-m", "venv", str(venv))
-    if not stamp.is_file() or stamp.read_text() != wanted:
-        session.log(f"installing the gate environment into {venv} (several GB, first time)")
-        session.run(str(python), "-m", "pip", "install", *requirements, external=True)
-        stamp.write_text(wanted)
-    return python
+    """The gate venv's python, installed or updated first (needs the tool installed)."""
+    session.run("python", "-m", "sm120fork.gateenv")
+    return gateenv.locate(Path.cwd()).python
 
 
 def _installed_fork_wheel(session: nox.Session) -> Path:
@@ -163,6 +137,7 @@ def _run_gate_tests(session: nox.Session, args: list[str], target: str = GATE_TE
 @nox.session(python=PYTHON)
 def gate_tests(session: nox.Session) -> None:
     """Architecture-gate tests, pristine and patched (`-- --gate-tree DIR` etc.: pytest args)."""
+    _install_tool(session)
     _run_gate_tests(session, session.posargs)
 
 
@@ -172,6 +147,7 @@ def explain(session: nox.Session) -> None:
 
     `-- --model-path DIR [--arch sm120] [--tree patched|wheel|DIR] [-- sglang args]`
     """
+    _install_tool(session)
     args = list(session.posargs)
     if "--tree" in args and args[args.index("--tree") + 1 : args.index("--tree") + 2] == ["wheel"]:
         args[args.index("--tree") + 1] = str(_installed_fork_wheel(session))
@@ -183,6 +159,7 @@ def explain(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def gate_bench(session: nox.Session) -> None:
     """Time the full gate matrix (benchmarks/gate_matrix.py; `-- --jobs 1 2 3`)."""
+    _install_tool(session)
     python = _gate_env(session)
     session.run(str(python), "benchmarks/gate_matrix.py", *session.posargs, external=True)
 
