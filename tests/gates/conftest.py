@@ -4,7 +4,8 @@ Options (all optional):
   --gate-tree T     the sglang to test, repeatable: ``pristine`` (vendor/sglang),
                     ``patched`` (vendor/sglang + patches/series, built with
                     `sm120fork apply`), or a directory to put first on sys.path
-                    (e.g. a `pip install --target` dir); default: pristine and patched
+                    (e.g. a `pip install --target` dir), optionally named:
+                    ``installed-wheel=DIR``; default: pristine and patched
   --gate-mode M     how a directory given to --gate-tree is judged: patched (default)
                     or pristine
   --gate-arch A     only these architectures (repeatable; for quick iteration)
@@ -14,14 +15,18 @@ Options (all optional):
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from . import terminal
 from .gate_harness import runner, spec, table, trees
 
 RESULTS = pytest.StashKey[dict[str, list[tuple[table.Row, list[table.CellResult]]]]]()
+TREES = pytest.StashKey[dict[str, trees.Tree]]()
+_NAME = re.compile(r"[a-z][a-z0-9-]*")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -37,8 +42,13 @@ def _tree_specs(config: pytest.Config) -> list[tuple[str, str]]:
     values: list[str] = config.getoption("--gate-tree") or [trees.PRISTINE, trees.PATCHED]
     specs = []
     for index, value in enumerate(values):
-        label = value if value in trees.MODES else f"tree{index}-{Path(value).name}"
-        specs.append((label, value))
+        name, _, path = value.partition("=")
+        if path and _NAME.fullmatch(name):
+            specs.append((name, path))
+        else:
+            specs.append(
+                (value if value in trees.MODES else f"tree{index}-{Path(value).name}", value)
+            )
     return specs
 
 
@@ -84,6 +94,7 @@ def gate_trees(
             if not (path / "sglang" / "__init__.py").is_file():
                 raise pytest.UsageError(f"--gate-tree {value}: no sglang/__init__.py in {path}")
             result[label] = trees.Tree(label, path, pytestconfig.getoption("--gate-mode"))
+    pytestconfig.stash[TREES] = result
     return result
 
 
@@ -103,14 +114,25 @@ def matrices(
     gate_trees: dict[str, trees.Tree],
     gate_archs: tuple[spec.Arch, ...],
 ) -> dict[str, runner.MatrixRun]:
-    """Observe every tree on every architecture once per session (children in parallel)."""
-    return runner.run_matrices(
-        {label: tree.path for label, tree in gate_trees.items()},
-        gate_archs,
-        list(spec.load_scenarios().values()),
-        scratch=tmp_path_factory.mktemp("gate-matrix"),
-        jobs=pytestconfig.getoption("--gate-jobs") or os.cpu_count(),
-    )
+    """Observe every tree on every architecture once per session (children in parallel),
+    counting the children done on the terminal (pytest's capture is off meanwhile)."""
+    jobs = pytestconfig.getoption("--gate-jobs") or os.cpu_count() or 1
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")  # end the line of progress dots
+    with (
+        capture.global_and_fixture_disabled(),
+        terminal.MatrixProgress(list(gate_trees), gate_archs, jobs) as on_done,
+    ):
+        return runner.run_matrices(
+            {label: tree.path for label, tree in gate_trees.items()},
+            gate_archs,
+            list(spec.load_scenarios().values()),
+            scratch=tmp_path_factory.mktemp("gate-matrix"),
+            jobs=jobs,
+            on_done=on_done,
+        )
 
 
 @pytest.fixture
@@ -131,14 +153,8 @@ def pytest_terminal_summary(
     store = config.stash.get(RESULTS, {})
     if not store:
         return
-    write = terminalreporter.write_line
-    terminalreporter.section("architecture gates: cells that differ from expectations.toml")
-    for label, results in store.items():
-        differing = [(row, [c for c in cells if not c.ok]) for row, cells in results]
-        differing = [(row, cells) for row, cells in differing if cells]
-        write(f"{label}: {len(results)} rows checked, {len(differing)} with differing cells")
-        for row, cells in differing:
-            tag = f" [patch {row.patch}]" if row.patch else ""
-            write(f"  {row.label}{tag}")
-            for cell in cells:
-                write(f"      {cell.describe()}")
+    terminalreporter.section("architecture gates: each tree against expectations.toml")
+    every_arch = not config.getoption("--gate-arch")
+    tested: dict[str, trees.Tree] = config.stash.get(TREES, {})
+    for line in terminal.summary(store, tested, every_arch=every_arch):
+        terminalreporter.write_line(line)

@@ -10,8 +10,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,19 +153,26 @@ def run_matrices(
     python: str = sys.executable,
     jobs: int | None = None,
     stubs: Fakes | None = None,
+    on_done: Callable[[str, ArchRun], None] | None = None,
 ) -> dict[str, MatrixRun]:
-    """Observe every scenario on every architecture for every tree (label -> path)."""
+    """Observe every scenario on every architecture for every tree (label -> path);
+    `on_done(label, run)` is called (in this thread) as each child finishes."""
     stubs = stubs or prepare_fakes(python, scratch / "fakes", list(trees.values()))
     jobs = jobs or os.cpu_count() or 1
     work = [(label, tree, arch) for label, tree in trees.items() for arch in archs]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = {
-            (label, arch.name): pool.submit(
+            pool.submit(
                 _run_one, python, tree, arch, scenarios, stubs, scratch / label / arch.name
-            )
+            ): (label, arch.name)
             for label, tree, arch in work
         }
-        done = {key: future.result() for key, future in futures.items()}
+        done = {}
+        for future in as_completed(futures):
+            label, arch_name = futures[future]
+            done[(label, arch_name)] = future.result()
+            if on_done is not None:
+                on_done(label, done[(label, arch_name)])
     return {
         label: MatrixRun(tree, {arch.name: done[(label, arch.name)] for arch in archs})
         for label, tree in trees.items()
