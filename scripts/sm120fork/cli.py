@@ -17,6 +17,12 @@ from types import ModuleType
 
 from sm120fork.errors import EXIT_BAD_INPUT, FatalError
 
+DESCRIPTION = (
+    "Maintain the sglang-sm120 fork: pristine upstream sglang in vendor/, the SM120 changes "
+    "as a quilt series in patches/; check, rebase, review and build the fork's wheel."
+)
+EPILOG = "`sm120fork COMMAND --help` for a command's options; `nox -l` for the sessions over them."
+
 # name -> one-line help; the module sm120fork.commands.<name> implements it.
 COMMANDS: dict[str, str] = {
     "import": "vendor an upstream release into vendor/sglang and write its lock",
@@ -32,7 +38,7 @@ COMMANDS: dict[str, str] = {
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only `command`'s module is imported, so one broken command spoils no other."""
-    parser = argparse.ArgumentParser(prog="sm120fork", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="sm120fork", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument(
         "-C",
         "--repo",
