@@ -15,7 +15,7 @@ from . import table
 ARCHS = ("sm80", "sm89", "sm90", "sm100", "sm103", "sm120", "sm121")
 
 
-def verdicts(observations: dict, pristine: bool) -> list[str]:
+def verdicts(observations: table.Observations, pristine: bool) -> list[str]:
     """One line per row the observations cover that the tree does not satisfy."""
     observed_scenarios = {s for per_arch in observations.values() for s in per_arch}
     problems = []
