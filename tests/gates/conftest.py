@@ -121,6 +121,7 @@ def matrices(
     reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")  # end the line of progress dots
+        reporter.flush()
     with (
         capture.global_and_fixture_disabled(),
         terminal.MatrixProgress(list(gate_trees), gate_archs, jobs) as on_done,

@@ -115,7 +115,8 @@ def _tree_lines(tree: trees.Tree, rows: Results, every_arch: bool) -> list[str]:
         for patch, found in sorted(by_patch.items()):
             numbers = ", ".join(str(row.number) for row, _ in sorted(found, key=_number))
             archs = sorted({c.arch for _, cells in found for c in cells}, key=_arch_order)
-            lines.append(f"    {patch}: rows {numbers} ({' '.join(archs)})")
+            rows_word = "row" if len(found) == 1 else "rows"
+            lines.append(f"    {patch}: {rows_word} {numbers} ({' '.join(archs)})")
     if failing:
         lines.append(f"  {len(failing)} rows differ from expectations.toml (failures):")
         for row, cells in failing:
