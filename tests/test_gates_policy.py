@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from sm120fork.cli import main
 from sm120fork.errors import EXIT_BAD_INPUT, EXIT_FINDINGS, EXIT_OK, FatalError
 from sm120fork.gates import apply_policy, load_policy
-from sm120fork.gates.policy import parse_policy
+from sm120fork.gates.policy import parse_policy, unmatched_added
 from test_gates_support import make_tree, scan
 
 SERVER_ARGS = """
@@ -226,6 +227,8 @@ def test_globs_and_stale_entries(tmp_path: Path) -> None:
         ('decision = "maybe"\nreason = "x"', "is not one of"),
         ('decision = "excluded"', "needs a reason"),
         ('decision = "excluded"\nreason = "x"\nline = 3', "unknown key"),
+        ('decision = "excluded"\nreason = "x"\nadded = true', "true only with patched"),
+        ('decision = "patched"\npatch = "a.patch"\nreason = "x"\nadded = 1', "true or false"),
     ],
 )
 def test_bad_policies_are_user_errors(entry: str, message: str) -> None:
@@ -235,6 +238,45 @@ def test_bad_policies_are_user_errors(entry: str, message: str) -> None:
     )
     with pytest.raises(FatalError, match=message):
         parse_policy(_toml(text))
+
+
+ADDED = """
+[[file]]
+path = "python/sglang/srt/pcie.py"
+
+[[file.gate]]
+function = "fork_default"
+condition = "not get_platform().is_sm120"
+added = true
+decision = "patched"
+patch = "sm120-pcie.patch"
+reason = "the patch gives SM12x a default where upstream tests no architecture"
+"""
+
+PATCHED_PCIE = """
+from sglang.srt.runtime_context import get_platform
+
+
+def fork_default():
+    if not get_platform().is_sm120:
+        return False
+    return True
+"""
+
+
+def test_an_added_gate_is_looked_for_in_the_patched_tree_not_upstream(tmp_path: Path) -> None:
+    inventory = reviewed(tmp_path, SERVER_ARGS, POLICY + ADDED)
+    assert inventory.stale_policy == ()  # upstream has no such gate, and need not
+    policy = parse_policy(_toml(POLICY + ADDED))
+    (rule,) = policy.added
+
+    def patched(text: str | None) -> Callable[[str], str | None]:
+        return lambda path: text if path == rule.file else None
+
+    assert unmatched_added(policy, patched(PATCHED_PCIE)) == []
+    assert unmatched_added(policy, patched(None)) == [rule.decision.origin]  # file gone
+    reworded = PATCHED_PCIE.replace("is_sm120", "is_blackwell")
+    assert unmatched_added(policy, patched(reworded)) == [rule.decision.origin]
 
 
 # -- the command ---------------------------------------------------------------

@@ -11,6 +11,9 @@ import pytest
 from sm120fork.cli import main
 from sm120fork.errors import EXIT_OK
 from sm120fork.gates import Inventory, diff_inventories, load_policy, review_tree, scan_tree
+from sm120fork.gates.policy import unmatched_added
+from sm120fork.paths import RepoPaths
+from sm120fork.stack import apply_stack, load_stack
 from test_gates_support import answers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,6 +88,16 @@ def test_the_patched_gates(inventory: Inventory) -> None:
     # DeepGEMM on SM12x: upstream's own probe for the SM120 kernels decides (unknown here).
     deepgemm = gate_at(inventory, "layers/deep_gemm_wrapper/configurer.py", 44)
     assert answers(deepgemm) == "FFFFF??" and deepgemm.decision == "included"
+
+
+def test_the_gates_the_series_adds_are_in_the_patched_tree() -> None:
+    """`added` entries review gates upstream lacks; the patched sources must hold them."""
+    policy = load_policy(POLICY)
+    assert {rule.decision.patch for rule in policy.added} == {
+        "sm120-pcie-ipc-allreduce-default.patch"
+    }
+    overlay = apply_stack(VENDOR, load_stack(RepoPaths(REPO)).patches)
+    assert unmatched_added(policy, overlay.read) == []
 
 
 @pytest.mark.usefixtures("pinned")

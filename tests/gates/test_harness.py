@@ -6,6 +6,7 @@ not pass every row (0.5.23 decides in resolve_once(), read through resolved_dict
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import re
 import sys
@@ -15,7 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from .gate_harness import child, report, table
+from .gate_harness import child, fakes, report, table
 
 
 @dataclasses.dataclass
@@ -140,9 +141,50 @@ def test_markdown_footnotes_errors_and_omits_missing_fields() -> None:
 
 def test_child_stays_a_standalone_script() -> None:
     """runner.py runs child.py as a script: it may load only its siblings child_probes and
-    (through child_probes) load_probes, each of which falls back to a plain import."""
+    (through child_probes) load_probes and allreduce_probes, each of which falls back to a
+    plain import."""
     here = Path(child.__file__).parent
     relative = re.compile(r"^\s*from \.(\S*) import (.+)$", re.MULTILINE)
     assert relative.findall((here / "child.py").read_text()) == [("", "child_probes")]
-    assert relative.findall((here / "child_probes.py").read_text()) == [("", "load_probes")]
+    siblings = relative.findall((here / "child_probes.py").read_text())
+    assert siblings == [("", "allreduce_probes, load_probes")]
     assert relative.findall((here / "load_probes.py").read_text()) == []
+    assert relative.findall((here / "allreduce_probes.py").read_text()) == []
+
+
+def test_nvml_standin_answers_a_topology_only_while_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No NVML (driver not loaded) unless SM120_GATE_NVML_TOPOLOGY names a host."""
+    lib = ctypes.CDLL(str(fakes.build_libnvidia_ml(tmp_path) / "libnvidia-ml.so.1"))
+    monkeypatch.delenv("SM120_GATE_NVML_TOPOLOGY", raising=False)
+    assert lib.nvmlInit_v2() == fakes.NVML_ERROR_DRIVER_NOT_LOADED
+
+    def links(topology: str) -> list[int]:
+        monkeypatch.setenv("SM120_GATE_NVML_TOPOLOGY", topology)
+        monkeypatch.setenv("SM120_GATE_NVML_COUNT", "2")
+        assert lib.nvmlInit_v2() == 0
+        handles = [ctypes.c_void_p(), ctypes.c_void_p()]
+        assert [
+            lib.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h)) for i, h in enumerate(handles)
+        ] == [0, 0]
+        assert lib.nvmlDeviceGetHandleByIndex_v2(2, ctypes.byref(ctypes.c_void_p())) != 0
+        status = ctypes.c_uint()
+        found = []
+        for caps in (1, fakes.NVML_P2P_CAPS_INDEX_NVLINK):  # write, NVLink
+            assert (
+                lib.nvmlDeviceGetP2PStatus(handles[0], handles[1], caps, ctypes.byref(status)) == 0
+            )
+            found.append(status.value)
+        return found
+
+    not_supported = fakes.NVML_P2P_STATUS_NOT_SUPPORTED
+    assert links("pcie") == [0, not_supported]
+    assert links("nvlink") == [0, 0]
+    assert links("nop2p") == [not_supported, not_supported]
+    monkeypatch.setenv("SM120_GATE_SMI_COMPUTE_CAP", "12.1")
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    assert (
+        lib.nvmlDeviceGetCudaComputeCapability(None, ctypes.byref(major), ctypes.byref(minor)) == 0
+    )
+    assert (major.value, minor.value) == (12, 1)

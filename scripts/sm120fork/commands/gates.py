@@ -15,10 +15,11 @@ from sm120fork.errors import EXIT_FINDINGS, EXIT_OK
 from sm120fork.gates import diff_inventories, review_tree, write_reports
 from sm120fork.gates.diff import GateDiff
 from sm120fork.gates.model import OPEN, Gate, Inventory
-from sm120fork.gates.policy import Policy, load_policy, missing_patches
+from sm120fork.gates.policy import Policy, load_policy, missing_patches, unmatched_added
 from sm120fork.gates.report import needs_attention, summary
 from sm120fork.paths import RepoPaths
 from sm120fork.series import read_series
+from sm120fork.stack import apply_stack, load_stack
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     write_reports(inventory, out, changes)
 
     failed = _findings(inventory, policy, paths, strict=args.strict)
+    if Path(tree).resolve() == paths.upstream_tree.resolve():
+        failed = _added_findings(policy, paths, strict=args.strict) or failed
     _report(inventory, inventory.root)
     if new is not None and changes is not None:
         _report(new, new.root)
@@ -87,6 +90,17 @@ def _shown(inventory: Inventory, paths: RepoPaths) -> Inventory:
     except ValueError:
         return inventory
     return inventory.with_gates(inventory.gates, root=shown)
+
+
+def _added_findings(policy: Policy, paths: RepoPaths, *, strict: bool) -> bool:
+    """Entries for gates the series adds, checked against the patched sources."""
+    if not policy.added:
+        return False
+    overlay = apply_stack(paths.upstream_tree, load_stack(paths).patches)
+    unmatched = unmatched_added(policy, overlay.read)
+    for entry in unmatched:
+        print(f"{entry}: added gate not found in the patched tree", file=sys.stderr)
+    return strict and bool(unmatched)
 
 
 def _findings(inventory: Inventory, policy: Policy, paths: RepoPaths, *, strict: bool) -> bool:

@@ -23,6 +23,8 @@
     reason = "..."
     evidence = ["https://github.com/sgl-project/sglang/issues/15650"]
     false_positive = "..."                   # optional: why a wrongly-included flag is wrong
+    added = true                             # optional, with patched: the patch adds this
+                                             # gate (upstream has none there to review)
 
 A gate is identified by file, enclosing function and normalised condition
 (plus the occurrence among equal triples), never by its line, so entries
@@ -33,6 +35,11 @@ survive line shifts and reformatting. Where one function repeats a condition
 `occurrence` counts only the gates sharing that enclosing test. A `path` with `*` is a glob
 (`**` crosses directories) and may only carry a default; the most specific
 entry wins: gate, function, file, then the longest glob.
+
+An `added` entry reviews a gate that only the patched tree has (a patch that
+gives SM12x a default where upstream tests no architecture at all): it is not
+stale in the upstream tree, and `unmatched_added` checks it against the patched
+sources instead.
 """
 
 from __future__ import annotations
@@ -40,13 +47,14 @@ from __future__ import annotations
 import ast
 import fnmatch
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sm120fork.errors import FatalError
 from sm120fork.gates.model import DECISIONS, UNREVIEWED, Gate, Inventory
+from sm120fork.gates.scan import scan_source
 from sm120fork.gates.wrongly import check_wrongly_included
 
 if sys.version_info >= (3, 11):
@@ -73,6 +81,7 @@ class GateRule:
     occurrence: int | None
     within: str | None
     decision: Decision
+    added: bool = False  # the gate exists only in the patched tree (see the module doc)
 
     def matches(self, gate: Gate, local: int) -> bool:
         """`local`: the gate's index among equal gates with the same `within`;
@@ -95,6 +104,10 @@ class Policy:
     files: dict[str, Decision] = field(default_factory=dict)
     globs: tuple[tuple[str, Decision], ...] = ()  # longest pattern first
     source: str = ""
+
+    @property
+    def added(self) -> tuple[GateRule, ...]:
+        return tuple(rule for rule in self.gates if rule.added)
 
     @property
     def patches(self) -> set[str]:
@@ -194,7 +207,7 @@ def parse_policy(data: dict[str, Any], source: str = "gates.toml") -> Policy:
             functions[(path, name)] = decision
         for g_index, gate in enumerate(entry.get("gate", []), start=1):
             g_where = f"{where} gate #{g_index} ({gate.get('function')})"
-            keys = {"function", "condition", "occurrence", "within"}
+            keys = {"function", "condition", "occurrence", "within", "added"}
             _check_keys(gate, keys | _DECISION_KEYS, g_where)
             function, condition = gate.get("function"), gate.get("condition")
             if not isinstance(function, str) or not isinstance(condition, str):
@@ -211,7 +224,10 @@ def parse_policy(data: dict[str, Any], source: str = "gates.toml") -> Policy:
             seen.add(key)
             decision = _decision(gate, g_where)
             assert decision is not None
-            gates.append(GateRule(path, function, key[2], occurrence, within, decision))
+            added = gate.get("added", False)
+            if not isinstance(added, bool) or (added and decision.decision != "patched"):
+                raise FatalError(f"{g_where}: added is true or false, true only with patched")
+            gates.append(GateRule(path, function, key[2], occurrence, within, decision, added))
     globs.sort(key=lambda item: -len(item[0]))
     return Policy(tokens, tuple(gates), functions, files, tuple(globs), source)
 
@@ -256,7 +272,7 @@ class _Matcher:
 
     def stale(self) -> list[str]:
         everything: Iterable[Decision] = (
-            *(r.decision for r in self.policy.gates),
+            *(r.decision for r in self.policy.gates if not r.added),
             *self.policy.functions.values(),
             *self.policy.files.values(),
             *(d for _, d in self.policy.globs),
@@ -295,3 +311,20 @@ def missing_patches(policy: Policy, series_names: Iterable[str]) -> list[str]:
     """Patches the policy names that the series does not list."""
     listed = set(series_names)
     return sorted(p for p in policy.patches if p not in listed)
+
+
+def unmatched_added(policy: Policy, read: Callable[[str], str | None]) -> list[str]:
+    """The `added` entries that match no gate of their file in the patched tree;
+    `read` gives a file's patched text (None: the file does not exist)."""
+    unmatched = []
+    for path in sorted({rule.file for rule in policy.added}):
+        text = read(path)
+        gates = scan_source(text, path) if text is not None else ()
+        for rule in (r for r in policy.added if r.file == path):
+            if not any(
+                (g.function, g.condition) == (rule.function, rule.condition)
+                and rule.matches(g, g.occurrence)
+                for g in gates
+            ):
+                unmatched.append(rule.decision.origin)
+    return unmatched

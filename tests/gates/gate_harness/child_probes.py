@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:
-    from . import load_probes
+    from . import allreduce_probes, load_probes
 else:  # loaded by child.py as a script: this directory is sys.path[0]
+    import allreduce_probes
     import load_probes
 
 Observation = dict[str, Any]
@@ -316,6 +317,11 @@ def probe_muse_spark_moe(server_args: Any) -> Observation:
     return {"muse_spark_fp4_moe.moe_runner_backend": plain(backend)}
 
 
+def probe_pcie_allreduce(_: Any) -> Observation:
+    """The tensor-parallel group's allreduce backends on faked hosts (allreduce_probes.py)."""
+    return allreduce_probes.pcie_allreduce(_first_module, _call_by_name, describe, plain)
+
+
 # name -> (probe, the fields it reports: all of them record the error if it raises)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "allreduce_fusion": (
@@ -334,6 +340,7 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "triton_tiles": (probe_triton_tiles, ()),
     "nvfp4_moe": (probe_nvfp4_moe, ("modelopt_quant.nvfp4_moe_runner_backend",)),
     "muse_spark_moe": (probe_muse_spark_moe, ("muse_spark_fp4_moe.moe_runner_backend",)),
+    "pcie_allreduce": (probe_pcie_allreduce, allreduce_probes.FIELDS),
 }
 
 
