@@ -4,6 +4,8 @@ reproducibility, installation, and refusals that leave dist/ as it was."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import zipfile
 from pathlib import Path
@@ -418,3 +420,14 @@ def test_download_of_a_missing_wheel(
     assert "cannot get sglang-0.5.9-py3-none-any.whl through pip" in refused(root, capsys)
     cache = root / "build" / "wheel" / "cache"
     assert not list(cache.iterdir())
+
+
+def test_the_wheel_is_a_normal_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Copied into an image and installed by another user: 0644 under umask 022, not 0600.
+    root = make_wheel_repo(tmp_path, PATCHES)
+    old = os.umask(0o022)
+    try:
+        wheel = built(root, capsys)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(wheel.stat().st_mode) == 0o644

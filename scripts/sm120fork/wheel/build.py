@@ -8,7 +8,6 @@ dist/ only when every wheel is built, so that a failure leaves dist/ as it was.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Sized
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ from packaging.version import Version
 from sm120fork import lock as lockfile
 from sm120fork.errors import FatalError
 from sm120fork.forkversion import read_fork_version
+from sm120fork.fsutil import create_temporary
 from sm120fork.paths import RepoPaths
 from sm120fork.stack import load_stack
 from sm120fork.wheel.fetch import fetch
@@ -90,11 +90,11 @@ def _writing(target: Path) -> Iterator[None]:
 
 
 def _temporary(directory: Path, name: str) -> Path:
+    # Normal file permissions (fsutil): a dist/ wheel must be installable by another user.
     with _writing(directory):
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        fd, path = create_temporary(directory, name, suffix=".tmp")
         os.close(fd)
-    return Path(path)
+    return path
 
 
 def _source_date_epoch(default: int) -> int:
