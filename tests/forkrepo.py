@@ -6,6 +6,8 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from sm120fork import manifest
+
 HEADER = """\
 From: Test Maintainer <test@example.com>
 Subject: [PATCH] {subject}
@@ -59,14 +61,23 @@ def make_patch(subject: str, base: Mapping[str, str], changed: Mapping[str, str]
     return HEADER.format(subject=subject) + body
 
 
+def write_manifest(root: Path, version: str = "0.5.9") -> None:
+    """vendor/sglang.sha256 for the tree as it is now (as `import` would write it)."""
+    hashes = manifest.hash_tree(root / "vendor" / "sglang")
+    found = manifest.Manifest.create(version, {p: h for p, h in hashes.items() if h})
+    (root / "vendor" / manifest.FILE_NAME).write_text(manifest.dumps(found))
+
+
 def make_fork(
     root: Path,
     patches: Mapping[str, str] | None = None,
     base: Mapping[str, str] = BASE_FILES,
     series: str | None = None,
 ) -> Path:
-    """A fork repo at `root`: vendor/sglang from `base`, the given patches and series."""
+    """A fork repo at `root`: vendor/sglang from `base` and its manifest, the given
+    patches and series."""
     write_tree(root / "vendor" / "sglang", base)
+    write_manifest(root)
     patches_dir = root / "patches"
     patches_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (patches or {}).items():

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from sm120fork.manifest import FILE_NAME
+
 
 @dataclass(frozen=True)
 class RepoPaths:
@@ -22,6 +24,11 @@ class RepoPaths:
     @property
     def lock_file(self) -> Path:
         return self.vendor_dir / "sglang.lock"
+
+    @property
+    def manifest_file(self) -> Path:
+        """The sha256 of every file of the pristine tree (see manifest.py)."""
+        return self.vendor_dir / FILE_NAME
 
     @property
     def patches_dir(self) -> Path:

@@ -26,6 +26,7 @@ class GitTree:
     commit: str
     files: int
     skipped: tuple[str, ...]  # paths of binary files not written
+    hashes: tuple[tuple[str, str], ...] = ()  # (path, sha256 hex) of each file written
 
 
 def public_url(url: str) -> str:
@@ -70,17 +71,19 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
             f"{tag} of {public_url(url)} has no {SUBTREE}/; is it sglang's repository?"
         )
     blobs = _read_blobs(git, [oid for oid, _ in entries.values()], workdir)
-    written, skipped = 0, []
+    written, skipped, hashes = 0, [], []
     for path, (oid, mode) in sorted(entries.items()):
         data = blobs[oid]
         if is_text(data):
-            write_file(dest, PurePosixPath(path), data, executable=mode == "100755")
+            hashes.append(
+                (path, write_file(dest, PurePosixPath(path), data, executable=mode == "100755"))
+            )
             written += 1
         elif path == LICENSE:
             raise FatalError(f"{tag}: LICENSE is not a text file; refusing it")
         else:
             skipped.append(path)
-    return GitTree(commit=commit, files=written, skipped=tuple(skipped))
+    return GitTree(commit=commit, files=written, skipped=tuple(skipped), hashes=tuple(hashes))
 
 
 def _entries(listing: bytes, tag: str) -> dict[str, tuple[str, str]]:

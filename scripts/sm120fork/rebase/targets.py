@@ -7,7 +7,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from sm120fork import lock
+from sm120fork import lock, manifest
 from sm120fork.errors import FatalError
 from sm120fork.upstream import Progress, available_versions, fetch_release, where
 from sm120fork.upstream_versions import releases, resolve_version
@@ -32,6 +32,11 @@ def tree(workdir: Path) -> Path:
     return workdir / "tree"
 
 
+def manifest_file(workdir: Path) -> Path:
+    """Where `fetch` writes the release's vendor/sglang.sha256."""
+    return workdir / manifest.FILE_NAME
+
+
 def fetch(
     version: str,
     *,
@@ -40,7 +45,8 @@ def fetch(
     locked: lock.Lock | None,
     progress: Progress,
 ) -> str:
-    """Download `version` into `workdir` (replacing it) and return its lock's text."""
+    """Download `version` into `workdir` (replacing it), write its manifest beside the
+    tree, and return its lock's text (saved in the state only once both are there)."""
     if workdir.exists():
         shutil.rmtree(workdir)
     release = fetch_release(
@@ -48,4 +54,5 @@ def fetch(
     )
     if release.tree != tree(workdir):  # pragma: no cover - a changed convention is a bug
         raise AssertionError(f"fetch_release wrote {release.tree}, expected {tree(workdir)}")
+    manifest_file(workdir).write_text(manifest.dumps(release.manifest()), encoding="utf-8")
     return lock.dumps(release.lock(lock.today()))
