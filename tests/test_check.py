@@ -40,7 +40,10 @@ def test_clean_series_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     make_fork(tmp_path, {"0001-first.patch": FIRST, "0002-second.patch": SECOND})
     code, lines = run_check(tmp_path, capsys)
     assert code == 0, lines
-    assert lines == ["series clean: 2 patches apply exactly to vendor/sglang, all in normal form"]
+    assert lines == [
+        "series clean: vendor/sglang is sglang 0.5.9 as imported (2 files); "
+        "2 patches apply exactly to it, all in normal form"
+    ]
 
 
 def test_series_comments_blank_lines_and_strip_option(

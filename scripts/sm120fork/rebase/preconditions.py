@@ -24,7 +24,8 @@ def check_start(paths: RepoPaths, state_dir: StateDir, *, dry_run: bool) -> lock
     findings = check_repository(paths)
     if findings:
         raise FatalError(
-            f"the series must apply exactly to vendor/sglang before a rebase, but {findings[0]}"
+            "the series must apply exactly to vendor/sglang, as imported, before a rebase, "
+            f"but {findings[0]}"
             f" ({len(findings)} finding{'s' if len(findings) != 1 else ''}); "
             "run `sm120fork check` and fix them first"
         )

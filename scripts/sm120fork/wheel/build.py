@@ -15,6 +15,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from sm120fork import lock as lockfile
+from sm120fork import pristine
 from sm120fork.errors import FatalError
 from sm120fork.forkversion import read_fork_version
 from sm120fork.fsutil import create_temporary
@@ -43,6 +44,8 @@ def build_wheels(
     lock = lockfile.read(paths.lock_file)
     if lock is None:
         raise FatalError(f"{paths.lock_file} does not exist; run `sm120fork import VERSION` first")
+    # The series was checked against vendor/sglang: it must be the release the lock pins.
+    pristine.require(paths, "the wheel would carry a series checked against another tree")
     release = read_fork_version(paths.changelog, lock.version)
     version = str(Version(str(release)))
     stack = load_stack(paths)
