@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from rebasefork import BASE, SA, UT, RebaseFork, edited, make_rebase_fork
 from sm120fork import gitcmd
@@ -21,13 +23,22 @@ def fork(request: pytest.FixtureRequest) -> RebaseFork:
 
 
 def refused(fork: RebaseFork, *args: str, via_git: bool = True) -> str:
+    """The one error line; a refused start leaves only its report (result bad-input)."""
     before = fork.snapshot()
     result = fork.rebase(*args) if via_git else fork.cli("rebase", *args)
     assert result.returncode == 2, result.stderr
     assert fork.snapshot() == before
-    assert not (fork.root / "build").exists()
     assert not (fork.root / ".git/sm120fork-rebase").exists()
     [line] = result.stderr.splitlines()
+    if via_git:  # `rebase VERSION`
+        assert sorted(p.name for p in (fork.root / "build/rebase").iterdir()) == [
+            "report.json", "report.md"
+        ]  # fmt: skip
+        report = fork.report()
+        assert (report["result"], report["from"], report["patches"]) == ("bad-input", "0.5.9", [])
+        assert line == f"sm120fork rebase: error: {report['error']}"
+        shutil.rmtree(fork.root / "build")
+    assert not (fork.root / "build").exists()
     return line
 
 
@@ -44,9 +55,30 @@ def test_unknown_version(fork: RebaseFork) -> None:
     assert "nearest releases: 0.5.10, 0.5.9" in line
 
 
-def test_version_not_newer(fork: RebaseFork) -> None:
-    assert "0.5.8 is not newer than the pinned 0.5.9" in refused(fork, "0.5.8")
-    assert "0.5.9 is not newer than the pinned 0.5.9" in refused(fork, "0.5.9")
+def test_version_older_than_the_pinned(fork: RebaseFork) -> None:
+    assert "sglang 0.5.8 is older than the pinned 0.5.9" in refused(fork, "0.5.8")
+
+
+@pytest.mark.parametrize("args", [("0.5.9",), ("v0.5.9", "--dry-run"), ("v0.5.9", "--step")])
+def test_the_pinned_release_is_up_to_date(fork: RebaseFork, args: tuple[str, ...]) -> None:
+    before = fork.snapshot()
+    result = fork.rebase(*args)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout == (
+        f"up to date with sglang 0.5.9: no newer release at {fork.url}; "
+        f"report {fork.root}/build/rebase/report.md\n"
+    )
+    assert fork.snapshot() == before and fork.status() == ""
+    assert not (fork.root / ".git/sm120fork-rebase").exists()
+    assert fork.report() == {
+        "from": "0.5.9",
+        "to": "0.5.9",
+        "source": "git",
+        "result": "up-to-date",
+        "patches": [],
+        "gates": {kind: [] for kind in ("new", "changed", "moved", "removed", "unreviewed")},
+    }
+    assert "is the newest release: nothing to rebase" in fork.read("build/rebase/report.md")
 
 
 def test_series_that_does_not_apply(fork: RebaseFork) -> None:

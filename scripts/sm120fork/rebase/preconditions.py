@@ -9,12 +9,15 @@ from sm120fork.paths import RepoPaths
 from sm120fork.rebase.state import StateDir
 
 
-def check_start(paths: RepoPaths, state_dir: StateDir, *, dry_run: bool) -> lock.Lock:
-    """Refuse (exit 2) unless a rebase may start; returns the lock in force."""
+def refuse_in_progress(state_dir: StateDir) -> None:
     if state_dir.exists():
         raise FatalError(
             "a rebase is already in progress; finish it with --continue or drop it with --abort"
         )
+
+
+def check_start(paths: RepoPaths, *, dry_run: bool) -> lock.Lock:
+    """Refuse (exit 2) unless a rebase may start; returns the lock in force."""
     if not dry_run:
         what = "the repository has uncommitted changes"
         _refuse_changes(paths, what, (), "commit or undo them, then retry")

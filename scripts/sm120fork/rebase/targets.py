@@ -15,13 +15,15 @@ from sm120fork.upstream_versions import releases, resolve_version
 
 def plan(spec: str, pinned: str, *, git_url: str | None, step: bool, scratch: Path) -> list[str]:
     """The releases to carry to, oldest first: the target, or with `step` every
-    release after `pinned` up to it. Unknown or older targets are refused."""
+    release after `pinned` up to it; none when the target is the pinned release
+    (up to date: `latest` on a day without a new release). Unknown or older
+    targets are refused."""
     available = available_versions(git_url, workdir=scratch)
     target = resolve_version(spec, available, where(git_url))
-    if Version(target) <= Version(pinned):
-        raise FatalError(
-            f"sglang {target} is not newer than the pinned {pinned}; name a later release"
-        )
+    if Version(target) == Version(pinned):
+        return []
+    if Version(target) < Version(pinned):
+        raise FatalError(f"sglang {target} is older than the pinned {pinned}; name a later release")
     if not step:
         return [target]
     return [text for v, text in releases(available) if Version(pinned) < v <= Version(target)]
