@@ -39,6 +39,7 @@ class Case:
     setup: Callable[[Path], object] = lambda root: None
     exit_code: int = 2
     env: tuple[tuple[str, str], ...] = ()
+    outside: bool = False  # run from the directory above the fork, without -C
 
 
 def _write(path: str, data: bytes | str) -> Callable[[Path], object]:
@@ -136,6 +137,9 @@ CASES: dict[str, Case] = {
     ),
     "no-network-to-the-index": Case(("import", "0.5.9"), "index", env=UNREACHABLE_INDEX),
     "wheel-from-git-lock": Case(("wheel",), "git", env=UNREACHABLE_INDEX),
+    "check-outside-the-checkout": Case(
+        ("check",), "is not a fork checkout (it has no patches/series", outside=True
+    ),
 }
 
 
@@ -193,8 +197,9 @@ def test_bad_input_fails_in_one_clear_line_and_changes_nothing(name: str, fork: 
     before, status_before = fork.snapshot(), fork.status()
     env = {**os.environ, "PYTHONPATH": str(PROJECT / "scripts"), **dict(case.env)}
     command = [arg.replace("{url}", fork.url) for arg in case.command]
+    where = [] if case.outside else ["-C", str(fork.root)]
     result = subprocess.run(
-        ["python", "-m", "sm120fork", "-C", str(fork.root), *command],
+        ["python", "-m", "sm120fork", *where, *command],
         capture_output=True, text=True, env=env, check=False, timeout=300, cwd=fork.root.parent,
     )  # fmt: skip
     output = result.stdout + result.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 from sm120fork.errors import EXIT_BAD_INPUT, FatalError
+from sm120fork.paths import require_checkout
 
 # name -> one-line help; the module sm120fork.commands.<name> implements it.
 COMMANDS: dict[str, str] = {
@@ -27,6 +28,8 @@ COMMANDS: dict[str, str] = {
     "wheel": "build the fork's wheel from the upstream release wheel",
     "apply": "write vendor/sglang with the series applied into a directory",
 }
+
+STARTS_A_FORK = frozenset({"import"})  # runs in an empty directory (a fork's first import)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -76,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.repo.is_dir():
             raise FatalError(f"-C {args.repo}: no such directory; give the fork's root")
         os.chdir(args.repo)
+        if args.command not in STARTS_A_FORK:
+            require_checkout(args.repo)
         return int(_command_module(args.command).run(args))
     except FatalError as error:
         print(f"sm120fork {args.command}: error: {error.message}", file=sys.stderr)
