@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from hermetic import git
+from hermetic import output as git_output
 from sm120fork import manifest
 
 HEADER = """\
@@ -35,28 +37,23 @@ def write_tree(root: Path, files: Mapping[str, str]) -> None:
 
 
 def make_patch(subject: str, base: Mapping[str, str], changed: Mapping[str, str]) -> str:
-    """A normal-form patch turning `base` into `changed` (git diff, no index lines)."""
-    import tempfile
+    """A normal-form patch turning `base` into `changed` (git diff, no index lines).
 
-    def git(root: Path, *args: str) -> str:
-        return subprocess.run(
-            ["git", "-c", "core.quotepath=false", *args],
-            cwd=root, check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-
+    Test modules call this at import time, so git runs sealed through `hermetic.git`
+    (a fixture would come too late)."""
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        git(root, "init", "-q", ".")
+        git("init", "-q", ".", cwd=root)
         write_tree(root, {path: base[path] for path in changed if path in base})
-        git(root, "add", "-A", ".")
-        old_tree = git(root, "write-tree").strip()
+        git("add", "-A", ".", cwd=root)
+        old_tree = git_output("write-tree", cwd=root)
         write_tree(root, changed)
-        git(root, "add", "-A", ".")
-        new_tree = git(root, "write-tree").strip()
+        git("add", "-A", ".", cwd=root)
+        new_tree = git_output("write-tree", cwd=root)
         diff = git(
-            root, "diff", "--no-color", "--no-renames", "-U3", "--src-prefix=a/",
-            "--dst-prefix=b/", old_tree, new_tree,
-        )  # fmt: skip
+            "diff", "--no-color", "--no-renames", "-U3", "--src-prefix=a/", "--dst-prefix=b/",
+            old_tree, new_tree, cwd=root,
+        ).stdout  # fmt: skip
     body = "".join(line for line in diff.splitlines(keepends=True) if not line.startswith("index "))
     return HEADER.format(subject=subject) + body
 

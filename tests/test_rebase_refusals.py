@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from hermetic import git
 from rebasefork import BASE, SA, UT, RebaseFork, edited, make_rebase_fork
-from sm120fork import gitcmd
 
 AFTER = edited(BASE, (SA, "x_25 = 25\n", "x_25 = 'upstream'\n"))
 SERIES = [
@@ -85,7 +85,7 @@ def test_series_that_does_not_apply(fork: RebaseFork) -> None:
     (fork.root / "patches/0001-util.patch").write_bytes(
         (fork.root / "patches/0001-util.patch").read_bytes().replace(b"-    return", b"-  return")
     )
-    gitcmd.run(["commit", "-q", "-a", "-m", "break the series"], fork.root)
+    git("commit", "-q", "-a", "-m", "break the series", cwd=fork.root)
     assert "the series must apply exactly to vendor/sglang" in refused(fork, "v0.5.10")
 
 

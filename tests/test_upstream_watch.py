@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hermetic import git
+from hermetic import output as git_output
 from rebasefork import BASE, SA, RebaseFork, edited, make_rebase_fork
-from sm120fork import gitcmd
 from workflowrun import StepRun, load_steps, run_job
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -86,8 +87,8 @@ def fork_with(request: pytest.FixtureRequest, versions: dict[str, dict[str, str]
     (fork.root / "scripts/rebase_outcome.py").write_bytes(
         (PROJECT / "scripts/rebase_outcome.py").read_bytes()
     )
-    gitcmd.run(["add", "scripts"], fork.root)
-    gitcmd.run(["commit", "-q", "-m", "the watch's script"], fork.root)
+    git("add", "scripts", cwd=fork.root)
+    git("commit", "-q", "-m", "the watch's script", cwd=fork.root)
     return fork
 
 
@@ -124,7 +125,7 @@ def test_a_conflict_opens_one_issue_and_no_pull_request(
     assert fork.report()["result"] == "conflict"
     # The next day, on a fresh checkout, the same conflict opens no second issue.
     clone = tmp_path / "next-day"
-    gitcmd.run(["clone", "-q", str(fork.root), str(clone)], tmp_path)
+    git("clone", "-q", str(fork.root), str(clone), cwd=tmp_path)
     again = watch(RebaseFork(clone, fork.url), tmp_path, existing="17")
     assert again.green() and [line.split()[:2] for line in again.gh] == [["issue", "list"]]
 
@@ -134,8 +135,8 @@ def test_a_clean_rebase_pushes_a_branch_and_opens_one_pull_request(
 ) -> None:
     fork = fork_with(request, {"v0.5.9": BASE, "v0.5.10": CARRIED})
     origin = tmp_path / "origin.git"
-    gitcmd.run(["init", "-q", "--bare", str(origin)], tmp_path)
-    gitcmd.run(["remote", "add", "origin", str(origin)], fork.root)
+    git("init", "-q", "--bare", str(origin), cwd=tmp_path)
+    git("remote", "add", "origin", str(origin), cwd=fork.root)
     result = watch(fork, tmp_path)
     assert result.green(), {name: run.output for name, run in result.runs.items()}
     assert result.ran() == [
@@ -147,7 +148,7 @@ def test_a_clean_rebase_pushes_a_branch_and_opens_one_pull_request(
         "pr create --base main --head upstream/v0.5.10 --title Rebase onto sglang 0.5.10 "
         "--body-file build/rebase/report.md"
     )
-    pushed = gitcmd.output(["log", "--format=%s", "-1", "upstream/v0.5.10"], origin)
+    pushed = git_output("log", "--format=%s", "-1", "upstream/v0.5.10", cwd=origin)
     assert pushed == "Rebase the series onto sglang 0.5.10"
     assert fork.report()["result"] == "complete"
 
