@@ -39,9 +39,9 @@ def public_url(url: str) -> str:
 
 def release_tags(url: str, workdir: Path) -> dict[str, str]:
     """version -> tag for every release-looking tag of the remote (`v` tags win)."""
-    out = gitcmd.run(["ls-remote", "--tags", "--refs", url], workdir).stdout.decode(
-        "utf-8", "replace"
-    )
+    # The user's config: credentials, URL rewrites and proxies for the remote.
+    listed = gitcmd.run(["ls-remote", "--tags", "--refs", url], workdir, user_config=True)
+    out = listed.stdout.decode("utf-8", "replace")
     tags: dict[str, str] = {}
     for line in out.splitlines():
         ref = line.partition("\t")[2]
@@ -58,7 +58,8 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
     git = ["--git-dir", str(git_dir)]
     gitcmd.run(["init", "-q", "--bare", str(git_dir)], workdir)
     ref = f"refs/tags/{tag}"
-    gitcmd.run([*git, "fetch", "-q", "--depth=1", "--no-tags", url, f"+{ref}:{ref}"], workdir)
+    fetch = [*git, "fetch", "-q", "--depth=1", "--no-tags", url, f"+{ref}:{ref}"]
+    gitcmd.run(fetch, workdir, user_config=True)
     commit = gitcmd.output([*git, "rev-parse", "--verify", f"{ref}^{{commit}}"], workdir)
     listing = gitcmd.run(
         [*git, "ls-tree", "-r", "-z", "--full-tree", commit, "--", LICENSE, SUBTREE], workdir

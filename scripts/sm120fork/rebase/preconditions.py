@@ -40,7 +40,9 @@ LANDS = ("vendor", "patches", "CHANGELOG.md")
 
 def fingerprint(paths: RepoPaths) -> str:
     """The committed ids of what a rebase lands ("" in a repository without commits)."""
-    result = gitcmd.run(["ls-tree", "HEAD", "--", *LANDS], paths.root, check=False)
+    result = gitcmd.run(
+        ["ls-tree", "HEAD", "--", *LANDS], paths.root, check=False, user_config=True
+    )
     return result.stdout.decode("utf-8", "replace") if result.returncode == 0 else ""
 
 
@@ -55,7 +57,9 @@ def check_resume(paths: RepoPaths, started: str) -> None:
 
 def _refuse_changes(paths: RepoPaths, what: str, pathspec: tuple[str, ...], fix: str) -> None:
     status = gitcmd.output(
-        ["status", "--porcelain", "--untracked-files=normal", "--", *pathspec], paths.root
+        ["status", "--porcelain", "--untracked-files=normal", "--", *pathspec],
+        paths.root,
+        user_config=True,  # the user's excludes decide what counts as a change, as for them
     )
     if status:
         changes = status.splitlines()

@@ -188,7 +188,9 @@ class StateDir:
 
     @classmethod
     def of(cls, root: Path) -> StateDir:
-        result = gitcmd.run(["rev-parse", "--absolute-git-dir"], root, check=False)
+        result = gitcmd.run(
+            ["rev-parse", "--absolute-git-dir"], root, check=False, user_config=True
+        )
         if result.returncode != 0:
             raise FatalError(f"{root} is not a git repository; rebase needs the fork's checkout")
         return cls(Path(result.stdout.decode().strip()))
