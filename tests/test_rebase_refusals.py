@@ -116,3 +116,20 @@ def test_dry_run_writes_only_the_report(fork: RebaseFork) -> None:
     }
     assert report["patches"][1]["conflicts"][0]["line"] == 25
     assert "work_tree" not in report
+
+
+def test_a_damaged_state_is_refused_by_continue_and_cleared_by_abort(fork: RebaseFork) -> None:
+    state = fork.root / ".git/sm120fork-rebase/state.json"
+    state.parent.mkdir()
+    state.write_text('{"format": 1, "targets": [')
+    before = fork.snapshot()
+    resumed = fork.cli("rebase", "--continue")
+    assert resumed.returncode == 2
+    [line] = resumed.stderr.splitlines()
+    assert f"the rebase state {state} is damaged (JSONDecodeError: " in line
+    assert line.endswith("run `rebase --abort`")
+    aborted = fork.cli("rebase", "--abort")
+    assert aborted.returncode == 0, aborted.stderr
+    assert "warning: the rebase state" in aborted.stderr
+    assert "aborted without a readable state" in aborted.stderr
+    assert not state.parent.exists() and fork.snapshot() == before

@@ -119,7 +119,11 @@ def abort(paths: RepoPaths) -> int:
     with state_dir.running():
         if not state_dir.exists():
             raise FatalError("no rebase in progress; nothing to abort")
-        state = state_dir.load() if state_dir.state_file.exists() else None
+        try:
+            state = state_dir.load()
+        except FatalError as error:  # a missing or damaged state must not block --abort
+            say(f"warning: {error.message.rsplit('; ', 1)[0]}")
+            state = None
         run = Run(paths, paths.build_dir / "rebase", state_dir)
         if state is not None and state.journal is not None:
             if state.journal.step == "swapped":
@@ -131,7 +135,13 @@ def abort(paths: RepoPaths) -> int:
             finalize.undo(paths.root, state.journal)
         shutil.rmtree(run.area, ignore_errors=True)
         state_dir.remove()
-    say("aborted: vendor/, patches/ and CHANGELOG.md are as they were before the rebase")
+    if state is None:
+        say(
+            "aborted without a readable state: vendor/, patches/ and CHANGELOG.md were left "
+            "as they are; `git status` shows whether the rebase had changed them"
+        )
+    else:
+        say("aborted: vendor/, patches/ and CHANGELOG.md are as they were before the rebase")
     return EXIT_OK
 
 
