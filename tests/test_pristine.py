@@ -136,8 +136,8 @@ def _lock(version: str) -> str:
     [
         ("", ":1: no `# sglang VERSION: ...` header"),
         ("# sglang 0.5.9: x\n", "lists no file"),
-        ("# sglang 0.5.9: x\nnot a line\n", ":2: not `<sha256>  <path>`"),
-        (f"# sglang 0.5.9: x\n{'A' * 64}  LICENSE\n", ":2: not `<sha256>  <path>`"),
+        ("# sglang 0.5.9: x\nnot a line\n", ":2: not a sha256sum line"),
+        (f"# sglang 0.5.9: x\n{'A' * 64}  LICENSE\n", ":2: not a sha256sum line"),
         (f"# sglang 0.5.9: x\n{'a' * 64}  LICENSE\n{'b' * 64}  LICENSE\n", "listed twice"),
     ],
 )

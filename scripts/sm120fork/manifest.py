@@ -86,7 +86,8 @@ def loads(text: str, origin: str) -> Manifest:
             continue
         match = _LINE.fullmatch(line)
         if match is None:
-            raise FatalError(f"{origin}:{lineno}: not `<sha256>  <path>`; {fix}")
+            shape = "64 hex digits, two spaces, a path"
+            raise FatalError(f"{origin}:{lineno}: not a sha256sum line ({shape}); {fix}")
         if match["path"] in files:
             raise FatalError(f"{origin}:{lineno}: {match['path']} is listed twice; {fix}")
         files[match["path"]] = match["sha256"]
