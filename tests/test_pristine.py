@@ -139,6 +139,7 @@ def _lock(version: str) -> str:
         ("# sglang 0.5.9: x\nnot a line\n", ":2: not a sha256sum line"),
         (f"# sglang 0.5.9: x\n{'A' * 64}  LICENSE\n", ":2: not a sha256sum line"),
         (f"# sglang 0.5.9: x\n{'a' * 64}  LICENSE\n{'b' * 64}  LICENSE\n", "listed twice"),
+        (f"# sglang 0.5.9: x\n{'a' * 64}  python/../../x\n", "cannot be named"),
     ],
 )
 def test_malformed_manifest(text: str, message: str) -> None:

@@ -42,7 +42,8 @@ class Manifest:
     @classmethod
     def create(cls, version: str, hashes: Mapping[str, str]) -> Manifest:
         for path in hashes:
-            if not path or any(char in path for char in "\n\r\\") or path.startswith("/"):
+            odd = any(char in path for char in "\n\r\\") or ".." in path.split("/")
+            if not path or odd or path.startswith("/"):
                 raise FatalError(
                     f"upstream file {path!r} cannot be named in {FILE_NAME}; refusing the tree"
                 )
