@@ -27,8 +27,8 @@ if shutil.which("uv") is None:
 
 PYTHON = "3.11"
 TOOL = ["python", "-m", "sm120fork"]
-TEST_DEPS = ["pytest>=8", "hypothesis>=6"]
-LINT_DEPS = ["ruff", "mypy", "pytest>=8", "hypothesis>=6", "nox", "check-jsonschema"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6", "pyyaml>=6"]  # yaml: the workflow test
+LINT_DEPS = ["ruff", "mypy", *TEST_DEPS, "nox", "check-jsonschema"]
 
 
 def _install_tool(session: nox.Session) -> None:

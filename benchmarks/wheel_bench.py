@@ -48,12 +48,13 @@ def run(*args: str) -> None:
 def make_repo(root: Path) -> tuple[Path, str]:
     """A repo to build from: the project's inputs, or a stand-in series on 0.5.9."""
     sys.path[:0] = [str(PROJECT / "scripts"), str(PROJECT / "tests")]
-    from forkrepo import edit, make_patch
+    from forkrepo import edit, make_patch, write_manifest
     from sm120fork import lock as lockfile
 
     shutil.copytree(PROJECT / "vendor" / "sglang", root / "vendor" / "sglang")
     if (PROJECT / "vendor" / "sglang.lock").is_file() and (PROJECT / "CHANGELOG.md").is_file():
         shutil.copy(PROJECT / "vendor" / "sglang.lock", root / "vendor" / "sglang.lock")
+        shutil.copy(PROJECT / "vendor" / "sglang.sha256", root / "vendor" / "sglang.sha256")
         shutil.copy(PROJECT / "CHANGELOG.md", root / "CHANGELOG.md")
         shutil.copytree(PROJECT / "patches", root / "patches")
         return root, "the project's lock, CHANGELOG and series"
@@ -69,6 +70,7 @@ def make_repo(root: Path) -> tuple[Path, str]:
         artifacts=(lockfile.Artifact(name, sha, 5201033),),
     )
     (root / "vendor" / "sglang.lock").write_text(lockfile.dumps(lock))
+    write_manifest(root, "0.5.9")  # the wheel build refuses a tree nothing vouches for
     (root / "CHANGELOG.md").write_text("## 0.5.9+sm120.1 - 2026-11-29\n")
     path = "python/sglang/srt/utils/common.py"
     base = (root / "vendor" / "sglang" / path).read_text()

@@ -5,53 +5,84 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import os
 import stat
+import subprocess
+import sys
 import tarfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from sm120fork import gitcmd
+from hermetic import SEAL, Seal, git
 
 # The architecture-gate suite runs in its own environment (torch + CUDA wheels):
 # `nox -s gate_tests`, with --confcutdir=tests/gates so that this file is not read
 # there. A plain `pytest` of the tool's tests leaves it out here, on purpose.
 collect_ignore = ["gates"]
 
-# --- hermetic git and synthetic upstream repositories (upstream import tests) ---
+# --- the seal from the user's setup (see hermetic.py), for the whole session ---
 
-GIT_DATE = "2026-01-02T03:04:05+00:00"
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_seal() -> Iterator[Seal]:
+    """No test sees the user's HOME, git config or GIT_* variables: the tool's own git
+    and every CLI subprocess inherit the seal from os.environ."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [name for name in os.environ if name.startswith("GIT_")]:
+            patch.delenv(name)
+        for name, value in SEAL.variables().items():
+            patch.setenv(name, value)
+        yield SEAL
+
+
+@pytest.fixture
+def git_env(hermetic_seal: Seal) -> dict[str, str]:
+    """The sealed git environment (already in force for the session), for tests that ask."""
+    return dict(hermetic_seal.variables())
+
+
+# --- tests marked `network`: run where pip reaches the package index ---
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--network",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="tests marked network (the package index through pip): auto runs them when "
+        "pip can list sglang's releases, yes always (an unreachable index fails them), no never",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marked = [item for item in items if item.get_closest_marker("network")]
+    mode = config.getoption("--network")
+    if not marked or mode == "yes":
+        return
+    reason = "--network=no" if mode == "no" else _index_unreachable()
+    for item in marked if reason else ():
+        item.add_marker(pytest.mark.skip(reason=f"needs the package index: {reason}"))
+
+
+def _index_unreachable() -> str | None:
+    """Why pip cannot list sglang's releases here (one line), or None when it can."""
+    command = [sys.executable, "-m", "pip", "index", "versions", "sglang"]
+    command += ["--retries", "0", "--timeout", "15"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode == 0 and "Available versions:" in result.stdout:
+        return None
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ERROR")]
+    return (errors or [f"`pip index versions sglang` exited {result.returncode}"])[-1]
+
+
+# --- synthetic upstream repositories (upstream import tests) ---
+
 UPSTREAM_LICENSE = "Apache License\nVersion 2.0, January 2004\n(test copy)\n"
 
 UpstreamFiles = Mapping[str, str | bytes | None]
 MakeUpstreamRepo = Callable[[Path, Mapping[str, UpstreamFiles]], Path]
-
-
-@pytest.fixture
-def git_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """Git that reads no user or system config, with fixed identities and dates."""
-    home = tmp_path / "home"
-    home.mkdir()
-    env = {
-        "HOME": str(home),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_AUTHOR_NAME": "Upstream Author",
-        "GIT_AUTHOR_EMAIL": "author@example.com",
-        "GIT_AUTHOR_DATE": GIT_DATE,
-        "GIT_COMMITTER_NAME": "Upstream Committer",
-        "GIT_COMMITTER_EMAIL": "committer@example.com",
-        "GIT_COMMITTER_DATE": GIT_DATE,
-        "GIT_CONFIG_COUNT": "1",
-        "GIT_CONFIG_KEY_0": "init.defaultBranch",
-        "GIT_CONFIG_VALUE_0": "main",
-    }
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("GIT_DIR", raising=False)
-    monkeypatch.delenv("GIT_WORK_TREE", raising=False)
-    return env
 
 
 def _make_upstream_git_repo(tmp_path: Path, versions: Mapping[str, UpstreamFiles]) -> Path:
@@ -61,9 +92,9 @@ def _make_upstream_git_repo(tmp_path: Path, versions: Mapping[str, UpstreamFiles
     leave it out)."""
     root = tmp_path / "upstream"
     root.mkdir()
-    gitcmd.run(["init", "-q", "."], root)
+    git("init", "-q", ".", cwd=root)
     for tag, files in versions.items():
-        gitcmd.run(["rm", "-r", "-q", "--ignore-unmatch", "."], root)
+        git("rm", "-r", "-q", "--ignore-unmatch", ".", cwd=root)
         snapshot: dict[str, str | bytes | None] = {"LICENSE": UPSTREAM_LICENSE, **files}
         for path, content in snapshot.items():
             if content is None:
@@ -72,9 +103,9 @@ def _make_upstream_git_repo(tmp_path: Path, versions: Mapping[str, UpstreamFiles
             target.parent.mkdir(parents=True, exist_ok=True)
             data = content.encode("utf-8") if isinstance(content, str) else content
             target.write_bytes(data)
-        gitcmd.run(["add", "-A", "."], root)
-        gitcmd.run(["commit", "-q", "--allow-empty", "-m", f"release {tag}"], root)
-        gitcmd.run(["tag", "-a", "-m", f"sglang {tag}", tag], root)
+        git("add", "-A", ".", cwd=root)
+        git("commit", "-q", "--allow-empty", "-m", f"release {tag}", cwd=root)
+        git("tag", "-a", "-m", f"sglang {tag}", tag, cwd=root)
     return root
 
 
@@ -93,7 +124,7 @@ def snapshot(root: Path) -> dict[str, bytes | str]:
 
 
 @pytest.fixture
-def make_upstream_git_repo(git_env: dict[str, str]) -> MakeUpstreamRepo:
+def make_upstream_git_repo() -> MakeUpstreamRepo:
     """`make_upstream_git_repo(tmp_path, {"v0.5.9": {"python/sglang/x.py": "..."}})`."""
     return _make_upstream_git_repo
 

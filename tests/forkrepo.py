@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+
+from hermetic import git
+from hermetic import output as git_output
+from sm120fork import manifest
 
 HEADER = """\
 From: Test Maintainer <test@example.com>
@@ -33,30 +37,32 @@ def write_tree(root: Path, files: Mapping[str, str]) -> None:
 
 
 def make_patch(subject: str, base: Mapping[str, str], changed: Mapping[str, str]) -> str:
-    """A normal-form patch turning `base` into `changed` (git diff, no index lines)."""
-    import tempfile
+    """A normal-form patch turning `base` into `changed` (git diff, no index lines).
 
-    def git(root: Path, *args: str) -> str:
-        return subprocess.run(
-            ["git", "-c", "core.quotepath=false", *args],
-            cwd=root, check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-
+    Test modules call this at import time, so git runs sealed through `hermetic.git`
+    (a fixture would come too late)."""
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        git(root, "init", "-q", ".")
+        git("init", "-q", ".", cwd=root)
         write_tree(root, {path: base[path] for path in changed if path in base})
-        git(root, "add", "-A", ".")
-        old_tree = git(root, "write-tree").strip()
+        git("add", "-A", ".", cwd=root)
+        old_tree = git_output("write-tree", cwd=root)
         write_tree(root, changed)
-        git(root, "add", "-A", ".")
-        new_tree = git(root, "write-tree").strip()
+        git("add", "-A", ".", cwd=root)
+        new_tree = git_output("write-tree", cwd=root)
         diff = git(
-            root, "diff", "--no-color", "--no-renames", "-U3", "--src-prefix=a/",
-            "--dst-prefix=b/", old_tree, new_tree,
-        )  # fmt: skip
+            "diff", "--no-color", "--no-renames", "-U3", "--src-prefix=a/", "--dst-prefix=b/",
+            old_tree, new_tree, cwd=root,
+        ).stdout  # fmt: skip
     body = "".join(line for line in diff.splitlines(keepends=True) if not line.startswith("index "))
     return HEADER.format(subject=subject) + body
+
+
+def write_manifest(root: Path, version: str = "0.5.9") -> None:
+    """vendor/sglang.sha256 for the tree as it is now (as `import` would write it)."""
+    hashes = manifest.hash_tree(root / "vendor" / "sglang")
+    found = manifest.Manifest.create(version, {p: h for p, h in hashes.items() if h})
+    (root / "vendor" / manifest.FILE_NAME).write_text(manifest.dumps(found))
 
 
 def make_fork(
@@ -65,8 +71,10 @@ def make_fork(
     base: Mapping[str, str] = BASE_FILES,
     series: str | None = None,
 ) -> Path:
-    """A fork repo at `root`: vendor/sglang from `base`, the given patches and series."""
+    """A fork repo at `root`: vendor/sglang from `base` and its manifest, the given
+    patches and series."""
     write_tree(root / "vendor" / "sglang", base)
+    write_manifest(root)
     patches_dir = root / "patches"
     patches_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (patches or {}).items():

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 from forkrepo import edit, make_patch
-from sm120fork import gitcmd
+from hermetic import git
+from hermetic import output as git_output
 from sm120fork.cli import main
 from sm120fork.rebase.state import CRASH_ENV
 
@@ -89,7 +90,7 @@ class RebaseFork:
 
     def status(self) -> str:
         """`git status --porcelain`: empty when the checkout is exactly as committed."""
-        return gitcmd.output(["status", "--porcelain", "--untracked-files=all"], self.root)
+        return git_output("status", "--porcelain", "--untracked-files=all", cwd=self.root)
 
     def snapshot(self) -> dict[str, bytes]:
         """Every file outside .git and build/ with its bytes."""
@@ -115,7 +116,7 @@ def make_rebase_fork(
     url = upstream.as_uri()
     root = tmp_path / "fork"
     root.mkdir()
-    gitcmd.run(["init", "-q", "."], root)
+    git("init", "-q", ".", cwd=root)
     (root / ".gitignore").write_text("/build/\n")
     first = next(iter(versions))
     assert main(["-C", str(root), "import", first, "--upstream-git", url]) == 0
@@ -128,6 +129,6 @@ def make_rebase_fork(
         tree = changed
     (root / "patches" / "series").write_text("".join(f"{name}\n" for name, _ in patches))
     (root / "CHANGELOG.md").write_text(CHANGELOG)
-    gitcmd.run(["add", "-A", "."], root)
-    gitcmd.run(["commit", "-q", "-m", "fork at 0.5.9"], root)
+    git("add", "-A", ".", cwd=root)
+    git("commit", "-q", "-m", "fork at 0.5.9", cwd=root)
     return RebaseFork(root, url)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from forkrepo import BASE_FILES, edit, make_fork, make_patch
+from hermetic import git
 from sm120fork.cli import main
 
 SA = "python/sglang/srt/server_args.py"
@@ -40,7 +41,10 @@ def test_clean_series_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     make_fork(tmp_path, {"0001-first.patch": FIRST, "0002-second.patch": SECOND})
     code, lines = run_check(tmp_path, capsys)
     assert code == 0, lines
-    assert lines == ["series clean: 2 patches apply exactly to vendor/sglang, all in normal form"]
+    assert lines == [
+        "series clean: vendor/sglang is sglang 0.5.9 as imported (2 files); "
+        "2 patches apply exactly to it, all in normal form"
+    ]
 
 
 def test_series_comments_blank_lines_and_strip_option(
@@ -309,27 +313,10 @@ def test_patches_are_git_am_able_on_upstream_layout(tmp_path: Path) -> None:
     make_fork(tmp_path, {"0001-first.patch": FIRST, "0002-second.patch": SECOND})
     upstream = tmp_path / "upstream"
     shutil.copytree(tmp_path / "vendor" / "sglang", upstream)
-    env = {
-        **os.environ,
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "HOME": str(tmp_path),
-        "GIT_COMMITTER_NAME": "CI",
-        "GIT_COMMITTER_EMAIL": "ci@example.com",
-    }
-
-    def git(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["git", *args], cwd=upstream, env=env, capture_output=True, text=True)
-
-    git("init", "-q", ".")
-    git("add", "-A")
-    assert (
-        git(
-            "-c", "user.name=CI", "-c", "user.email=ci@example.com", "commit", "-qm", "base"
-        ).returncode
-        == 0
-    )
+    git("init", "-q", ".", cwd=upstream)
+    git("add", "-A", cwd=upstream)
+    git("commit", "-qm", "base", cwd=upstream)
     for name in ("0001-first.patch", "0002-second.patch"):
-        result = git("am", str(tmp_path / "patches" / name))
-        assert result.returncode == 0, result.stdout + result.stderr
-    log = git("log", "--format=%an|%s", "-2").stdout.splitlines()
+        git("am", str(tmp_path / "patches" / name), cwd=upstream)
+    log = git("log", "--format=%an|%s", "-2", cwd=upstream).stdout.splitlines()
     assert log == ["Test Maintainer|second change", "Test Maintainer|first change"]

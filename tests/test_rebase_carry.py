@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from rebasefork import BASE, COMM, DATE, SA, UT, edited, make_rebase_fork, shifted
-from sm120fork import lock
+from sm120fork import lock, manifest
 from sm120fork.cli import main
 from sm120fork.forkversion import read_fork_version
 from sm120fork.patchfile import load_patch
@@ -74,6 +74,10 @@ def test_landed_tree_lock_series_and_patch_bytes(
     locked = lock.read(carried / "vendor/sglang.lock")
     assert locked is not None
     assert (locked.version, locked.source, locked.imported) == ("0.5.10", "git", DATE)
+    landed = manifest.read(carried / "vendor/sglang.sha256")
+    assert landed is not None and landed.version == "0.5.10"
+    assert landed.hashes()[SA] == manifest.sha256_hex(AFTER[SA].encode())
+    assert manifest.verify(carried / "vendor/sglang", landed) == []
     patches = carried / "patches"
     assert (patches / "series").read_text() == (
         "0001-clean.patch\n0002-offset.patch\n0003-merged.patch\n"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hermetic import git
 from rebasefork import BASE, SA, RebaseFork, edited, make_rebase_fork, shifted
-from sm120fork import gitcmd
 
 # 0.5.10 rewrites the gate patch 2 rewrites, below five new lines.
 AFTER = edited(
@@ -138,7 +138,7 @@ def test_continue_refuses_when_patches_changed_meanwhile(
     result = fork.cli("rebase", "--continue")
     assert result.returncode == 2
     assert "changed while the rebase was stopped (patches/0001-top.patch)" in result.stderr
-    gitcmd.run(["commit", "-q", "-a", "-m", "edit a patch mid-rebase"], fork.root)
+    git("commit", "-q", "-a", "-m", "edit a patch mid-rebase", cwd=fork.root)
     result = fork.cli("rebase", "--continue")
     assert result.returncode == 2
     assert "a commit changed them" in result.stderr

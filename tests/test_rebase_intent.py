@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 from forkrepo import edit
+from hermetic import git
 from intentcase import GLM_ONLY, INTENT, INTENTS_TOML, SA
 from rebasefork import RebaseFork, make_rebase_fork
-from sm120fork import gitcmd
 from sm120fork.cli import main
 from sm120fork.intent.reapply import reapply
 
@@ -26,8 +26,8 @@ def fork_with_intent(request: pytest.FixtureRequest, after: str) -> RebaseFork:
     versions = {"v0.5.9": {SA: ORIGINAL}, "v0.5.10": {SA: after}}
     fork = make_rebase_fork(request, versions, [(INTENT.patch, [(SA, ORIGINAL, patched)])])
     (fork.root / "patches/intents.toml").write_text(INTENTS_TOML)
-    gitcmd.run(["add", "-A", "."], fork.root)
-    gitcmd.run(["commit", "-q", "-m", "declare the intent"], fork.root)
+    git("add", "-A", ".", cwd=fork.root)
+    git("commit", "-q", "-m", "declare the intent", cwd=fork.root)
     return fork
 
 
@@ -87,8 +87,8 @@ def test_gate_moved_to_another_file_is_resolved_there(
     versions = {"v0.5.9": {SA: ORIGINAL}, "v0.5.10": {SA: emptied, MOVED_TO: MOVED}}
     fork = make_rebase_fork(request, versions, [(INTENT.patch, [(SA, ORIGINAL, patched)])])
     (fork.root / "patches/intents.toml").write_text(INTENTS_TOML)
-    gitcmd.run(["add", "-A", "."], fork.root)
-    gitcmd.run(["commit", "-q", "-m", "declare the intent"], fork.root)
+    git("add", "-A", ".", cwd=fork.root)
+    git("commit", "-q", "-m", "declare the intent", cwd=fork.root)
     result = fork.rebase("v0.5.10")
     assert result.returncode == 0, result.stderr
     [patch] = fork.report()["patches"]

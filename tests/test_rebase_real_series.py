@@ -11,8 +11,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hermetic import git
 from rebasefork import SCRIPTS, RebaseFork
-from sm120fork import gitcmd, lock
+from sm120fork import lock
 from sm120fork.patchfile import parse_patch
 from sm120fork.series import read_series
 
@@ -25,16 +26,13 @@ def _commit_tree(repo: Path, tree: Path, tag: str) -> None:
         if entry.name != ".git":
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     shutil.copytree(tree, repo, dirs_exist_ok=True)
-    gitcmd.run(["add", "-A", "."], repo)
-    gitcmd.run(["commit", "-q", "-m", tag], repo)
-    gitcmd.run(["tag", tag], repo)
+    git("add", "-A", ".", cwd=repo)
+    git("commit", "-q", "-m", tag, cwd=repo)
+    git("tag", tag, cwd=repo)
 
 
 @pytest.mark.slow
-def test_real_series_carries_onto_a_shifted_next_release(
-    tmp_path: Path, git_env: dict[str, str]
-) -> None:
-    del git_env  # git without the user's config
+def test_real_series_carries_onto_a_shifted_next_release(tmp_path: Path) -> None:
     names = read_series(PROJECT / "patches/series").names
     pinned = lock.read(PROJECT / "vendor/sglang.lock")
     assert names and pinned is not None
@@ -45,23 +43,23 @@ def test_real_series_carries_onto_a_shifted_next_release(
     }
     upstream = tmp_path / "upstream"
     upstream.mkdir()
-    gitcmd.run(["init", "-q", "."], upstream)
+    git("init", "-q", ".", cwd=upstream)
     _commit_tree(upstream, PROJECT / "vendor/sglang", f"v{pinned.version}")
     for path in touched:
         target = upstream / path
         target.write_text(SHIFT + target.read_text())
     next_version = "99.0.0"
-    gitcmd.run(["commit", "-q", "-a", "-m", "next"], upstream)
-    gitcmd.run(["tag", f"v{next_version}"], upstream)
+    git("commit", "-q", "-a", "-m", "next", cwd=upstream)
+    git("tag", f"v{next_version}", cwd=upstream)
 
     root = tmp_path / "fork"
     for part in ("vendor", "patches"):
         shutil.copytree(PROJECT / part, root / part)
     shutil.copy(PROJECT / "CHANGELOG.md", root / "CHANGELOG.md")
     (root / ".gitignore").write_text("/build/\n")
-    gitcmd.run(["init", "-q", "."], root)
-    gitcmd.run(["add", "-A", "."], root)
-    gitcmd.run(["commit", "-q", "-m", "the fork"], root)
+    git("init", "-q", ".", cwd=root)
+    git("add", "-A", ".", cwd=root)
+    git("commit", "-q", "-m", "the fork", cwd=root)
     fork = RebaseFork(root, str(upstream))
     before = fork.snapshot()
 

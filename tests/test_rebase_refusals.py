@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from hermetic import git
 from rebasefork import BASE, SA, UT, RebaseFork, edited, make_rebase_fork
-from sm120fork import gitcmd
 
 AFTER = edited(BASE, (SA, "x_25 = 25\n", "x_25 = 'upstream'\n"))
 SERIES = [
@@ -21,13 +23,22 @@ def fork(request: pytest.FixtureRequest) -> RebaseFork:
 
 
 def refused(fork: RebaseFork, *args: str, via_git: bool = True) -> str:
+    """The one error line; a refused start leaves only its report (result bad-input)."""
     before = fork.snapshot()
     result = fork.rebase(*args) if via_git else fork.cli("rebase", *args)
     assert result.returncode == 2, result.stderr
     assert fork.snapshot() == before
-    assert not (fork.root / "build").exists()
     assert not (fork.root / ".git/sm120fork-rebase").exists()
     [line] = result.stderr.splitlines()
+    if via_git:  # `rebase VERSION`
+        assert sorted(p.name for p in (fork.root / "build/rebase").iterdir()) == [
+            "report.json", "report.md"
+        ]  # fmt: skip
+        report = fork.report()
+        assert (report["result"], report["from"], report["patches"]) == ("bad-input", "0.5.9", [])
+        assert line == f"sm120fork rebase: error: {report['error']}"
+        shutil.rmtree(fork.root / "build")
+    assert not (fork.root / "build").exists()
     return line
 
 
@@ -44,16 +55,37 @@ def test_unknown_version(fork: RebaseFork) -> None:
     assert "nearest releases: 0.5.10, 0.5.9" in line
 
 
-def test_version_not_newer(fork: RebaseFork) -> None:
-    assert "0.5.8 is not newer than the pinned 0.5.9" in refused(fork, "0.5.8")
-    assert "0.5.9 is not newer than the pinned 0.5.9" in refused(fork, "0.5.9")
+def test_version_older_than_the_pinned(fork: RebaseFork) -> None:
+    assert "sglang 0.5.8 is older than the pinned 0.5.9" in refused(fork, "0.5.8")
+
+
+@pytest.mark.parametrize("args", [("0.5.9",), ("v0.5.9", "--dry-run"), ("v0.5.9", "--step")])
+def test_the_pinned_release_is_up_to_date(fork: RebaseFork, args: tuple[str, ...]) -> None:
+    before = fork.snapshot()
+    result = fork.rebase(*args)
+    assert (result.returncode, result.stderr) == (0, ""), result.stderr
+    assert result.stdout == (
+        f"up to date with sglang 0.5.9: no newer release at {fork.url}; "
+        f"report {fork.root}/build/rebase/report.md\n"
+    )
+    assert fork.snapshot() == before and fork.status() == ""
+    assert not (fork.root / ".git/sm120fork-rebase").exists()
+    assert fork.report() == {
+        "from": "0.5.9",
+        "to": "0.5.9",
+        "source": "git",
+        "result": "up-to-date",
+        "patches": [],
+        "gates": {kind: [] for kind in ("new", "changed", "moved", "removed", "unreviewed")},
+    }
+    assert "is the newest release: nothing to rebase" in fork.read("build/rebase/report.md")
 
 
 def test_series_that_does_not_apply(fork: RebaseFork) -> None:
     (fork.root / "patches/0001-util.patch").write_bytes(
         (fork.root / "patches/0001-util.patch").read_bytes().replace(b"-    return", b"-  return")
     )
-    gitcmd.run(["commit", "-q", "-a", "-m", "break the series"], fork.root)
+    git("commit", "-q", "-a", "-m", "break the series", cwd=fork.root)
     assert "the series must apply exactly to vendor/sglang" in refused(fork, "v0.5.10")
 
 
@@ -84,3 +116,20 @@ def test_dry_run_writes_only_the_report(fork: RebaseFork) -> None:
     }
     assert report["patches"][1]["conflicts"][0]["line"] == 25
     assert "work_tree" not in report
+
+
+def test_a_damaged_state_is_refused_by_continue_and_cleared_by_abort(fork: RebaseFork) -> None:
+    state = fork.root / ".git/sm120fork-rebase/state.json"
+    state.parent.mkdir()
+    state.write_text('{"format": 1, "targets": [')
+    before = fork.snapshot()
+    resumed = fork.cli("rebase", "--continue")
+    assert resumed.returncode == 2
+    [line] = resumed.stderr.splitlines()
+    assert f"the rebase state {state} is damaged (JSONDecodeError: " in line
+    assert line.endswith("run `rebase --abort`")
+    aborted = fork.cli("rebase", "--abort")
+    assert aborted.returncode == 0, aborted.stderr
+    assert "warning: the rebase state" in aborted.stderr
+    assert "aborted without a readable state" in aborted.stderr
+    assert not state.parent.exists() and fork.snapshot() == before

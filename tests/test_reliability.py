@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from forkrepo import edit
+from hermetic import git
 from rebasefork import BASE, SA, UT, RebaseFork, make_rebase_fork
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -39,6 +40,7 @@ class Case:
     setup: Callable[[Path], object] = lambda root: None
     exit_code: int = 2
     env: tuple[tuple[str, str], ...] = ()
+    outside: bool = False  # run from the directory above the fork, without -C
 
 
 def _write(path: str, data: bytes | str) -> Callable[[Path], object]:
@@ -62,6 +64,13 @@ def _both(*steps: Callable[[Path], object]) -> Callable[[Path], object]:
     def setup(root: Path) -> None:
         for step in steps:
             step(root)
+
+    return setup
+
+
+def _commit(message: str) -> Callable[[Path], object]:
+    def setup(root: Path) -> None:
+        git("commit", "-q", "-a", "-m", message, cwd=root)
 
     return setup
 
@@ -136,6 +145,73 @@ CASES: dict[str, Case] = {
     ),
     "no-network-to-the-index": Case(("import", "0.5.9"), "index", env=UNREACHABLE_INDEX),
     "wheel-from-git-lock": Case(("wheel",), "git", env=UNREACHABLE_INDEX),
+    "check-outside-the-checkout": Case(
+        ("check",), "is not a fork checkout (it has no patches/series", outside=True
+    ),
+    # vendor/sglang is trusted only as far as vendor/sglang.sha256 vouches for it (#16)
+    "vendor-hand-edit-check": Case(
+        ("check",),
+        f"vendor/sglang/{UT}: differs from sglang 0.5.9",
+        _write(f"vendor/sglang/{UT}", BASE[UT] + "# edited by hand\n"),
+        exit_code=1,
+    ),
+    "vendor-added-file-check": Case(
+        ("check",),
+        "vendor/sglang/python/sglang/extra.py: is not part of sglang 0.5.9",
+        _write("vendor/sglang/python/sglang/extra.py", "x = 1\n"),
+        exit_code=1,
+    ),
+    "vendor-deleted-file-check": Case(
+        ("check",),
+        f"vendor/sglang/{UT}: is missing",
+        lambda root: (root / "vendor/sglang" / UT).unlink(),
+        exit_code=1,
+    ),
+    "vendor-symlink-check": Case(
+        ("check",),
+        "vendor/sglang/python/sglang/link.py: is a link",
+        lambda root: (root / "vendor/sglang/python/sglang/link.py").symlink_to("/etc/passwd"),
+        exit_code=1,
+    ),
+    "vendor-hand-edit-wheel": Case(
+        ("wheel",),
+        "the wheel would carry a series checked against another tree",
+        _write(f"vendor/sglang/{UT}", BASE[UT] + "# edited by hand\n"),
+        env=UNREACHABLE_INDEX,
+    ),
+    "vendor-hand-edit-apply": Case(
+        ("apply", "--out", "build/out"),
+        "the patched tree would not be upstream's release plus the series",
+        _write(f"vendor/sglang/{UT}", BASE[UT] + "# edited by hand\n"),
+    ),
+    "vendor-hand-edit-committed-rebase": Case(
+        ("rebase", "v0.5.10", "--upstream-git", "{url}"),
+        f"as imported, before a rebase, but vendor/sglang/{UT}: differs",
+        _both(_write(f"vendor/sglang/{UT}", BASE[UT] + "# edited\n"), _commit("edit vendor/")),
+    ),
+    "manifest-missing": Case(
+        ("check",),
+        "vendor/sglang.sha256: does not exist",
+        lambda root: (root / "vendor/sglang.sha256").unlink(),
+        exit_code=1,
+    ),
+    "manifest-malformed": Case(
+        ("check",), "not a sha256sum line", _edit("vendor/sglang.sha256", "  LICENSE", "")
+    ),
+    "lock-version-edited-by-hand": Case(
+        ("check",),
+        "is for sglang 0.5.9 but vendor/sglang.lock pins 0.5.10",
+        _edit("vendor/sglang.lock", 'version = "0.5.9"', 'version = "0.5.10"'),
+        exit_code=1,
+    ),
+    "rebase-onto-an-older-release": Case(
+        ("rebase", "v0.5.8", "--upstream-git", "{url}"), "is older than the pinned 0.5.9"
+    ),
+    "rebase-state-damaged": Case(
+        ("rebase", "--continue"),
+        "is damaged",
+        _write(".git/sm120fork-rebase/state.json", "{not json"),
+    ),
 }
 
 
@@ -177,8 +253,9 @@ def _tamper_lock(root: Path) -> None:
 @pytest.fixture
 def fork(request: pytest.FixtureRequest) -> RebaseFork:
     versions = {
-        "v0.5.9": BASE,
+        "v0.5.9": BASE,  # imported (the first)
         "v0.5.10": {**BASE, SA: BASE[SA].replace("x_70 = 70\n", "x_70 = 71\n")},
+        "v0.5.8": BASE,
     }
     gate = [
         (SA, "if is_sm100_supported(): x_40 = 40\n", "if is_sm100_supported() or 1: x_40 = 40\n")
@@ -193,8 +270,9 @@ def test_bad_input_fails_in_one_clear_line_and_changes_nothing(name: str, fork: 
     before, status_before = fork.snapshot(), fork.status()
     env = {**os.environ, "PYTHONPATH": str(PROJECT / "scripts"), **dict(case.env)}
     command = [arg.replace("{url}", fork.url) for arg in case.command]
+    where = [] if case.outside else ["-C", str(fork.root)]
     result = subprocess.run(
-        ["python", "-m", "sm120fork", "-C", str(fork.root), *command],
+        ["python", "-m", "sm120fork", *where, *command],
         capture_output=True, text=True, env=env, check=False, timeout=300, cwd=fork.root.parent,
     )  # fmt: skip
     output = result.stdout + result.stderr

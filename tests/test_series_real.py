@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hermetic import git as sealed_git
 from sm120fork.paths import RepoPaths
 from sm120fork.series import read_series
 
@@ -42,19 +43,9 @@ def test_quilt_push_all_applies_without_offset_or_fuzz(tree: Path) -> None:
     assert "offset" not in result.stdout and "fuzz" not in result.stdout, result.stdout
 
 
-def test_git_apply_in_order_and_git_am_upstream(tree: Path, tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "HOME": str(tmp_path),
-        "GIT_COMMITTER_NAME": "CI",
-        "GIT_COMMITTER_EMAIL": "ci@example.com",
-        "GIT_AUTHOR_NAME": "CI",
-        "GIT_AUTHOR_EMAIL": "ci@example.com",
-    }
-
+def test_git_apply_in_order_and_git_am_upstream(tree: Path) -> None:
     def git(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["git", *args], cwd=tree, env=env, capture_output=True, text=True)
+        return sealed_git(*args, cwd=tree, check=False)
 
     assert git("init", "-q", ".").returncode == 0
     assert git("add", "-A", ".").returncode == 0

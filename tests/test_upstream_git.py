@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 from conftest import UPSTREAM_LICENSE, MakeUpstreamRepo, snapshot
-from sm120fork import gitcmd, lock
+from hermetic import git
+from hermetic import output as git_output
+from sm120fork import lock
 from sm120fork.cli import main
 
 V059: dict[str, str | bytes | None] = {
@@ -46,7 +48,7 @@ def test_import_lays_out_upstream_and_locks_the_commit(
     files = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file())
     assert files == ["LICENSE", "python/sglang/__init__.py", "python/sglang/srt/server_args.py"]
     assert (tree / "LICENSE").read_text() == UPSTREAM_LICENSE
-    commit = gitcmd.output(["rev-parse", "v0.5.9^{commit}"], upstream)
+    commit = git_output("rev-parse", "v0.5.9^{commit}", cwd=upstream)
     locked = lock.read(fork / "vendor" / "sglang.lock")
     assert locked == lock.Lock(
         version="0.5.9",
@@ -95,7 +97,7 @@ def test_moved_tag_is_refused_against_the_lock(tmp_path: Path, upstream: Path) -
     fork.mkdir()
     assert import_git(fork, "0.5.9", upstream) == 0
     before = snapshot(fork)
-    gitcmd.run(["tag", "-f", "-a", "-m", "moved", "v0.5.9", "v0.5.10"], upstream)
+    git("tag", "-f", "-a", "-m", "moved", "v0.5.9", "v0.5.10", cwd=upstream)
     assert import_git(fork, "0.5.9", upstream) == 2
     assert snapshot(fork) == before
 
@@ -119,7 +121,7 @@ def test_bad_tags_are_refused_and_vendor_is_untouched(
     fork.mkdir()
     assert import_git(fork, "0.5.9", upstream) == 0
     before = snapshot(fork)
-    gitcmd.run(["rm", "-r", "-q", "."], upstream)
+    git("rm", "-r", "-q", ".", cwd=upstream)
     for path, content in {"LICENSE": UPSTREAM_LICENSE, **files}.items():
         if content is None:
             continue
@@ -129,9 +131,9 @@ def test_bad_tags_are_refused_and_vendor_is_untouched(
             target.symlink_to("../../etc/passwd")
         else:
             target.write_text(content)
-    gitcmd.run(["add", "-A", "."], upstream)
-    gitcmd.run(["commit", "-q", "-m", "bad"], upstream)
-    gitcmd.run(["tag", "v0.5.12"], upstream)
+    git("add", "-A", ".", cwd=upstream)
+    git("commit", "-q", "-m", "bad", cwd=upstream)
+    git("tag", "v0.5.12", cwd=upstream)
     capsys.readouterr()
     assert import_git(fork, "0.5.12", upstream) == 2
     assert message in capsys.readouterr().err
@@ -139,7 +141,7 @@ def test_bad_tags_are_refused_and_vendor_is_untouched(
 
 
 def test_unreachable_remote_is_a_one_line_error(
-    tmp_path: Path, git_env: dict[str, str], capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fork = tmp_path / "fork"
     fork.mkdir()

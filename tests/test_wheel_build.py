@@ -4,12 +4,14 @@ reproducibility, installation, and refusals that leave dist/ as it was."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
-from forkrepo import edit, make_patch
+from forkrepo import edit, make_patch, write_manifest
 from sm120fork.cli import main
 from wheelrepo import (
     FORK,
@@ -291,9 +293,25 @@ def test_patch_that_does_not_apply(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "sm120fork check" in message
 
 
+@pytest.mark.parametrize("edit_file", [UT, INIT, "python/sglang/srt/added.py"])
+def test_vendor_differs_from_its_lock(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit_file: str
+) -> None:
+    # Also a file the series does not touch, or a new one: the series was checked
+    # against the whole tree.
+    root = make_wheel_repo(tmp_path, PATCHES)
+    (root / "vendor" / "sglang" / edit_file).write_text("# edited by hand\n")
+    message = refused(root, capsys)
+    assert f"error: vendor/sglang/{edit_file}: " in message
+    assert "the wheel would carry a series checked against another tree" in message
+    assert "sm120fork check" in message
+
+
 def test_vendor_differs_from_the_wheel(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The manifest re-written to agree with the edit: the wheel's own member still differs.
     root = make_wheel_repo(tmp_path, PATCHES)
     (root / "vendor" / "sglang" / UT).write_text("def is_sm120_supported():\n    return False\n#\n")
+    write_manifest(root)
     message = refused(root, capsys)
     assert "sglang/srt/utils.py in sglang-0.5.9-py3-none-any.whl differs from vendor" in message
 
@@ -418,3 +436,14 @@ def test_download_of_a_missing_wheel(
     assert "cannot get sglang-0.5.9-py3-none-any.whl through pip" in refused(root, capsys)
     cache = root / "build" / "wheel" / "cache"
     assert not list(cache.iterdir())
+
+
+def test_the_wheel_is_a_normal_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Copied into an image and installed by another user: 0644 under umask 022, not 0600.
+    root = make_wheel_repo(tmp_path, PATCHES)
+    old = os.umask(0o022)
+    try:
+        wheel = built(root, capsys)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(wheel.stat().st_mode) == 0o644

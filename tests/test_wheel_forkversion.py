@@ -19,10 +19,17 @@ def test_top_heading_gives_the_version() -> None:
     assert found.epoch == 1796083200
 
 
-def test_an_unreleased_top_entry_takes_the_last_release_date() -> None:
-    text = "## 0.5.9+sm120.2 - unreleased\n\n- x\n\n## 0.5.9+sm120.1 - 2026-11-29\n"
-    assert parse_changelog(text) == ForkVersion("0.5.9", 2, "2026-11-29")
-    assert parse_changelog("## 0.5.9+sm120.1 - unreleased\n").date == "1980-01-01"
+def test_an_unreleased_top_entry_is_dated_like_the_release_below() -> None:
+    text = (
+        "# Changelog\n\n## 0.5.9+sm120.2 - unreleased\n\n### Fixes\n- x (#16).\n\n"
+        "## 0.5.9+sm120.1 - 2026-12-01\n\n## 0.5.8+sm120.1 - 2026-11-01\n"
+    )
+    found = parse_changelog(text)
+    assert found == ForkVersion("0.5.9", 2, "2026-12-01", released=False)
+    assert str(found) == "0.5.9+sm120.2"
+    assert found.epoch == 1796083200
+    first = parse_changelog("## 0.5.9+sm120.1 - unreleased\n")
+    assert (first.date, first.released) == ("1980-01-01", False)
 
 
 @pytest.mark.parametrize(
@@ -33,6 +40,7 @@ def test_an_unreleased_top_entry_takes_the_last_release_date() -> None:
         ("## 0.5.9 - 2026-11-29\n", "is not like"),
         ("## 0.5.9+sm120.0 - 2026-11-29\n", "is not like"),
         ("## 0.5.9+sm120.1\n", "is not like"),
+        ("## 0.5.9+sm120.1 - soon\n", "is not like"),
         ("## 0.5.9+sm120.1 - 2026-13-40\n", "is not a date"),
     ],
 )

@@ -38,6 +38,7 @@ class WheelTree:
     files: int
     skipped: tuple[str, ...]  # member names of binary files not written
     license: tuple[str, bytes] | None  # (member, bytes) of the dist-info LICENSE, if any
+    hashes: tuple[tuple[str, str], ...] = ()  # (member, sha256 hex) of each file written
 
 
 def is_text(data: bytes) -> bool:
@@ -69,8 +70,9 @@ def safe_member_path(name: str, archive: str) -> PurePosixPath:
     return PurePosixPath(*parts)
 
 
-def write_file(root: Path, relative: PurePosixPath, data: bytes, *, executable: bool) -> None:
-    """Write one member under `root` (a fresh directory this tool created)."""
+def write_file(root: Path, relative: PurePosixPath, data: bytes, *, executable: bool) -> str:
+    """Write one member under `root` (a fresh directory this tool created); its sha256,
+    for vendor/sglang.sha256 (the bytes were verified before they came here)."""
     target = root.joinpath(*relative.parts)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +83,7 @@ def write_file(root: Path, relative: PurePosixPath, data: bytes, *, executable: 
         raise FatalError(
             f"cannot write {relative} ({error.strerror}): the archive has conflicting members"
         ) from error
+    return hashlib.sha256(data).hexdigest()
 
 
 @contextmanager
@@ -100,7 +103,7 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
     member of `wheel` against RECORD on the way; binary files are skipped and listed.
 
     `dest` must be a fresh directory that the caller throws away if this raises."""
-    written, skipped, license_files = 0, [], {}
+    written, skipped, license_files, hashes = 0, [], {}, []
     with _corrupt_is_fatal(wheel), zipfile.ZipFile(wheel) as archive:
         infos = archive.infolist()
         _check_zip_members(infos, wheel.name)
@@ -118,8 +121,9 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
             path = safe_member_path(info.filename, wheel.name)
             if path.parts[0] == package:
                 if is_text(data):
-                    write_file(
-                        dest, path, data, executable=bool((info.external_attr >> 16) & 0o111)
+                    executable = bool((info.external_attr >> 16) & 0o111)
+                    hashes.append(
+                        (info.filename, write_file(dest, path, data, executable=executable))
                     )
                     written += 1
                 else:
@@ -128,7 +132,8 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
                 license_files[info.filename] = data
         metadata = f"{dist_info}/METADATA"
         declared = _license_files(archive.read(metadata)) if metadata in listed else []
-    return WheelTree(written, tuple(skipped), _pick_license(dist_info, declared, license_files))
+    license = _pick_license(dist_info, declared, license_files)
+    return WheelTree(written, tuple(skipped), license, tuple(hashes))
 
 
 def _check_zip_members(infos: list[zipfile.ZipInfo], archive: str) -> None:

@@ -1,4 +1,4 @@
-"""`check`: every way the series and its files can disagree, as findings.
+"""`check`: every way the series, its files and the vendored tree can disagree, as findings.
 
 Unlike `stack.load_stack`, nothing here stops at the first problem: a
 maintainer fixing a broken series wants the whole list at once.
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sm120fork import dep3
+from sm120fork import dep3, pristine
 from sm120fork.applier import ApplyError, Overlay, apply_patch
 from sm120fork.errors import FatalError
 from sm120fork.intent.model import Intent, load_intents
@@ -26,18 +26,22 @@ INTENTS_FILE = "intents.toml"
 @dataclass(frozen=True, order=True)
 class Finding:
     where: str  # a path relative to the repository root
-    line: int
+    line: int  # 0: the file as a whole (a vendored file that differs, or is missing)
     message: str
 
     def __str__(self) -> str:
+        if not self.line:
+            return f"{self.where}: {self.message}"
         return f"{self.where}:{self.line}: {self.message}"
 
 
 def check_repository(paths: RepoPaths) -> list[Finding]:
     if not paths.upstream_tree.is_dir():
         raise FatalError(f"{paths.upstream_tree} does not exist; run `sm120fork import VERSION`")
+    # The tree first: every later finding is about patches against it.
+    findings = [Finding(p.where, 0, p.message) for p in pristine.problems(paths)]
     series = read_series(paths.series_file)
-    findings = _series_findings(paths, series)
+    findings += _series_findings(paths, series)
     patches = _load_patches(paths, series, findings)
     intents = load_intents(paths.patches_dir / INTENTS_FILE)
     for name in sorted(set(intents) - set(series.names)):

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 from sm120fork.errors import EXIT_BAD_INPUT, FatalError
+from sm120fork.paths import require_checkout
 
 DESCRIPTION = (
     "Maintain the sglang-sm120 fork: pristine upstream sglang in vendor/, the SM120 changes "
@@ -34,6 +35,8 @@ COMMANDS: dict[str, str] = {
     "apply": "write vendor/sglang with the series applied into a directory",
     "review": "show what a change to patches/ does: interdiffs, gates, expectation cells",
 }
+
+STARTS_A_FORK = frozenset({"import"})  # runs in an empty directory (a fork's first import)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -83,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.repo.is_dir():
             raise FatalError(f"-C {args.repo}: no such directory; give the fork's root")
         os.chdir(args.repo)
+        if args.command not in STARTS_A_FORK:
+            require_checkout(args.repo)
         return int(_command_module(args.command).run(args))
     except FatalError as error:
         print(f"sm120fork {args.command}: error: {error.message}", file=sys.stderr)

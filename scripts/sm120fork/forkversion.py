@@ -3,16 +3,16 @@
 The release number `n` lives in one reviewed place: the first `## ` heading of
 CHANGELOG.md, written as `## 0.5.9+sm120.1 - 2026-11-29`. A rebase onto a new
 upstream release writes a new `+sm120.1` entry, so `n` restarts with each base.
-Between releases the top entry collects changes as `## 0.5.9+sm120.2 -
-unreleased`; a wheel built then takes the date of the last dated entry (its
-files' timestamps stay reproducible).
+Between releases the top entry may be `## 0.5.9+sm120.2 - unreleased`, as
+pre-commit keeps its changelog; a wheel built then is dated like the release
+below it, so that it stays reproducible.
 """
 
 from __future__ import annotations
 
 import datetime
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
@@ -20,8 +20,9 @@ from packaging.version import InvalidVersion, Version
 from sm120fork.errors import FatalError
 
 _HEADING = re.compile(r"##\s+(?P<version>\S+)\s+-\s+(?P<date>\d{4}-\d{2}-\d{2}|unreleased)\s*")
-_DATED = re.compile(r"##\s+\S+\s+-\s+(?P<date>\d{4}-\d{2}-\d{2})\s*")
-UNRELEASED_FALLBACK = "1980-01-01"  # no dated entry yet: the earliest date a zip file holds
+UNRELEASED = "unreleased"
+# The date of an unreleased entry with no release below it: the earliest a zip records.
+_NO_RELEASE_YET = "1980-01-01"
 _FORK_VERSION = re.compile(r"(?P<upstream>[^+]+)\+sm120\.(?P<n>[1-9]\d*)")
 
 
@@ -29,7 +30,8 @@ _FORK_VERSION = re.compile(r"(?P<upstream>[^+]+)\+sm120\.(?P<n>[1-9]\d*)")
 class ForkVersion:
     upstream: str  # as the lock spells it, e.g. "0.5.9"
     n: int
-    date: str  # the release date of the CHANGELOG entry, YYYY-MM-DD
+    date: str  # YYYY-MM-DD of the entry; for an unreleased one, of the release below it
+    released: bool = True
 
     def __str__(self) -> str:
         return f"{self.upstream}+sm120.{self.n}"
@@ -44,27 +46,39 @@ class ForkVersion:
 
 def parse_changelog(text: str, origin: str = "CHANGELOG.md") -> ForkVersion:
     """The version of the top `## ` heading; any other shape is a FatalError."""
-    example = "`## 0.5.9+sm120.1 - 2026-11-29`"
+    example = "`## 0.5.9+sm120.1 - 2026-11-29` (or `- unreleased`)"
+    top: ForkVersion | None = None
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.startswith("## "):
             continue
         heading = _HEADING.fullmatch(line)
         version = _FORK_VERSION.fullmatch(heading["version"]) if heading else None
+        if top is not None:  # looking for the date of the release below an unreleased top
+            if heading is not None and heading["date"] != UNRELEASED and _is_date(heading["date"]):
+                return replace(top, date=heading["date"])
+            continue
         if heading is None or version is None:
             raise FatalError(
                 f"{origin}:{lineno}: the top entry {line.strip()!r} is not like {example}; "
                 "the fork release number comes from that heading"
             )
-        date = heading["date"]
-        if date == "unreleased":
-            below = (_DATED.fullmatch(ln) for ln in text.splitlines()[lineno:])
-            date = next((m["date"] for m in below if m), UNRELEASED_FALLBACK)
-        try:
-            datetime.date.fromisoformat(date)
-        except ValueError:
-            raise FatalError(f"{origin}:{lineno}: {date} is not a date") from None
-        return ForkVersion(version["upstream"], int(version["n"]), date)
+        found = ForkVersion(version["upstream"], int(version["n"]), heading["date"])
+        if heading["date"] != UNRELEASED:
+            if not _is_date(heading["date"]):
+                raise FatalError(f"{origin}:{lineno}: {heading['date']} is not a date")
+            return found
+        top = replace(found, date=_NO_RELEASE_YET, released=False)
+    if top is not None:
+        return top
     raise FatalError(f"{origin} has no `## ` entry; add one like {example} at the top")
+
+
+def _is_date(text: str) -> bool:
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
 
 
 def read_fork_version(changelog: Path, upstream: str) -> ForkVersion:
@@ -84,7 +98,7 @@ def read_fork_version(changelog: Path, upstream: str) -> ForkVersion:
             f"{changelog.name}'s top entry is {found} but vendor/sglang.lock pins sglang "
             f"{upstream}; add a CHANGELOG entry for {upstream}+sm120.1 at the top"
         )
-    return ForkVersion(upstream, found.n, found.date)
+    return replace(found, upstream=upstream)
 
 
 def _same_version(left: str, right: str) -> bool:

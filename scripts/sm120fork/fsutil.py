@@ -1,41 +1,59 @@
-"""Writes that never leave a half-written file behind."""
+"""Writes that never leave a half-written file behind.
+
+Temporary files are created with mode 0666 filtered by the umask, as `open()`
+creates a normal file, not 0600 as `tempfile.mkstemp` does: what is renamed
+into place (wheels in dist/, reports) must be readable by whoever may read a
+file this user writes, e.g. another user installing dist/ in a container.
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
+
+_NORMAL_FILE = 0o666  # the kernel applies the umask, as for open(path, "w")
+
+
+def create_temporary(directory: Path, name: str, suffix: str = "") -> tuple[int, Path]:
+    """A new file `.<name>.<random><suffix>` in `directory`, opened for writing: (fd, path)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        path = directory / f".{name}.{secrets.token_hex(6)}{suffix}"
+        try:
+            return os.open(path, flags, _NORMAL_FILE), path
+        except FileExistsError:  # pragma: no cover - 48 random bits
+            continue
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write `data` to a temporary file beside `path`, then rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = create_temporary(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        Path(tmp).replace(path)
+        tmp.replace(path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
 def atomic_write_many(files: Mapping[Path, bytes]) -> None:
     """Stage every file first, then rename them all: a failure while staging writes nothing."""
-    staged: list[tuple[str, Path]] = []
+    staged: list[tuple[Path, Path]] = []
     try:
         for path, data in files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            fd, tmp = create_temporary(path.parent, path.name)
+            staged.append((tmp, path))
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
-            staged.append((tmp, path))
     except BaseException:
         for tmp, _ in staged:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
         raise
     for tmp, path in staged:
-        Path(tmp).replace(path)
+        tmp.replace(path)

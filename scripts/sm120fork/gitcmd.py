@@ -1,22 +1,32 @@
 """The one git boundary: every git invocation of the tool goes through here.
 
-GitPython's `Git` is the engine. Git runs hermetically (no system config, C
-locale, no pager, no quoting of paths) so that its output is stable wherever
-the tool runs. A failure names the command, its exit code and both output
-streams, read from GitPython's `GitCommandError`. `ObjectReader` keeps one
-`git cat-file --batch` process for reading many blobs, where a process per
-blob would cost more than the reading.
+Git runs hermetically (no system config, C locale, no pager, no quoting of
+paths) so that its output is stable wherever the tool runs. In the tool's own
+scratch repositories (the default) it also reads no global config and inherits
+no GIT_* variable: a user's ~/.gitconfig (diff.interHunkContext, commit.gpgsign,
+a commit template, ...) must not change a patch's normal form or a rebase, and
+GIT_DIR or GIT_INDEX_FILE set by a hook must not point a scratch `git add` at
+the user's repository. Commands on the user's own repository or on a remote
+pass `user_config=True` (their excludes, credentials, URL rewrites). A failure
+names the command, its exit code and both output streams.
+
+`run` starts git through subprocess because only there can the inherited GIT_*
+variables be dropped (GitPython's `Git.execute` always starts from the caller's
+environment). GitPython is the engine of `ObjectReader`, which keeps one
+`git cat-file --batch` process for reading many blobs, where a process per blob
+would cost more than the reading.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import git
-from git.exc import GitCommandError, GitCommandNotFound
+from git.exc import GitCommandNotFound
 
 from sm120fork.errors import FatalError
 
@@ -35,36 +45,46 @@ class GitError(FatalError):
     """A git command failed; the message carries the command and its output."""
 
 
-def _engine(cwd: Path, env: Mapping[str, str] | None = None) -> git.Git:
-    if not cwd.is_dir():
-        raise FatalError(f"{cwd} is not a directory; git cannot run there")
-    engine = git.Git(cwd)
-    engine.update_environment(**_HERMETIC_ENV, **(env or {}))
-    return engine
+def _env(extra: Mapping[str, str] | None, user_config: bool) -> dict[str, str]:
+    if user_config:
+        env = dict(os.environ)
+    else:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+        env["GIT_CONFIG_GLOBAL"] = os.devnull  # git >= 2.32; ~/.gitconfig and XDG both
+    env.update(_HERMETIC_ENV)
+    if extra:
+        env.update(extra)
+    return env
 
 
 def run(
     args: Sequence[str],
     cwd: Path,
     *,
+    input: bytes | None = None,
     check: bool = True,
     env: Mapping[str, str] | None = None,
+    user_config: bool = False,
 ) -> subprocess.CompletedProcess[bytes]:
-    """Run `git <args>` in `cwd`; raise GitError on a non-zero exit if `check`."""
-    command = [git.Git.GIT_PYTHON_GIT_EXECUTABLE or "git", *_ALWAYS, *args]
+    """Run `git <args>` in `cwd`; raise GitError on a non-zero exit if `check`.
+    `user_config`: the user's repository or a remote, read with the user's git config."""
+    if not cwd.is_dir():
+        raise FatalError(f"{cwd} is not a directory; git cannot run there")
+    command = ["git", *_ALWAYS, *args]
     try:
-        status, stdout, stderr = _engine(cwd, env).execute(
+        result = subprocess.run(
             command,
-            with_extended_output=True,
-            with_exceptions=check,
-            stdout_as_string=False,
-            strip_newline_in_stdout=False,
+            cwd=cwd,
+            input=input,
+            capture_output=True,
+            env=_env(env, user_config),
+            check=False,
         )
-    except GitCommandNotFound as error:
+    except FileNotFoundError as error:
         raise FatalError(_NOT_INSTALLED) from error
-    except GitCommandError as error:
-        raise GitError(describe_error(args, error)) from error
-    return subprocess.CompletedProcess(command, status, stdout, stderr.encode(errors="replace"))
+    if check and result.returncode != 0:
+        raise GitError(describe_failure(args, result))
+    return result
 
 
 def output(args: Sequence[str], cwd: Path, **kwargs: object) -> str:
@@ -73,24 +93,19 @@ def output(args: Sequence[str], cwd: Path, **kwargs: object) -> str:
     return result.stdout.decode("utf-8", "replace").rstrip("\n")
 
 
-def describe_error(args: Sequence[str], error: GitCommandError) -> str:
-    """One line: the command as the tool gave it, its exit code, both streams."""
-    shown = " ".join(["git", *args])
-    stdout = _stream(error.stdout, "stdout")
-    stderr = _stream(error.stderr, "stderr")
-    return f"`{shown}` exited {error.status}; stdout: {stdout or '-'}; stderr: {stderr or '-'}"
-
-
 def describe_failure(args: Sequence[str], result: subprocess.CompletedProcess[bytes]) -> str:
-    """`describe_error` for a command run with `check=False` that the caller judged failed."""
-    return describe_error(
-        args, GitCommandError(list(args), result.returncode, result.stderr, result.stdout)
-    )
+    shown = " ".join(["git", *args])
+    stdout = result.stdout.decode("utf-8", "replace").strip()
+    stderr = result.stderr.decode("utf-8", "replace").strip()
+    return f"`{shown}` exited {result.returncode}; stdout: {stdout or '-'}; stderr: {stderr or '-'}"
 
 
-def _stream(framed: str, name: str) -> str:
-    """GitCommandError keeps each stream as "\\n  stdout: '<text>'" (empty when none)."""
-    return framed.removeprefix(f"\n  {name}: '").removesuffix("'").strip()
+def _engine(cwd: Path) -> git.Git:
+    if not cwd.is_dir():
+        raise FatalError(f"{cwd} is not a directory; git cannot run there")
+    engine = git.Git(cwd)
+    engine.update_environment(**_HERMETIC_ENV, GIT_CONFIG_GLOBAL=os.devnull)
+    return engine
 
 
 class ObjectReader:

@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from sm120fork.errors import FatalError
+from sm120fork.manifest import FILE_NAME
+
+# Either marks a fork checkout: a new fork has its series before its first import.
+_MARKERS = ("patches/series", "vendor/sglang.lock")
+
 
 @dataclass(frozen=True)
 class RepoPaths:
@@ -24,6 +30,11 @@ class RepoPaths:
         return self.vendor_dir / "sglang.lock"
 
     @property
+    def manifest_file(self) -> Path:
+        """The sha256 of every file of the pristine tree (see manifest.py)."""
+        return self.vendor_dir / FILE_NAME
+
+    @property
     def patches_dir(self) -> Path:
         return self.root / "patches"
 
@@ -38,3 +49,13 @@ class RepoPaths:
     @property
     def changelog(self) -> Path:
         return self.root / "CHANGELOG.md"
+
+
+def require_checkout(root: Path) -> None:
+    """Refuse a directory that is not the fork's root, saying where it looked: the
+    usual cause is running from another directory, not a missing import."""
+    if not any((root / marker).is_file() for marker in _MARKERS):
+        raise FatalError(
+            f"{root} is not a fork checkout (it has no {' or '.join(_MARKERS)}); run "
+            "sm120fork from the fork's root or pass its path with -C DIR"
+        )

@@ -18,6 +18,7 @@ from sm120fork import upstream_git, upstream_index, upstream_pypi
 from sm120fork.archive import extract_wheel_package, read_sdist_license
 from sm120fork.errors import FatalError
 from sm120fork.lock import Artifact, Lock, Source
+from sm120fork.manifest import Manifest, sha256_hex
 from sm120fork.upstream_index import IndexFile
 from sm120fork.upstream_pypi import sha256_of
 from sm120fork.upstream_versions import SPEC_HELP, resolve_version
@@ -54,6 +55,11 @@ class Release:
     wheel: Path | None = None  # the wheel the tree came from (pypi only)
     url: str | None = None  # git only, without credentials
     commit: str | None = None  # git only
+    files: tuple[tuple[str, str], ...] = ()  # (path in the tree, sha256) of every file in it
+
+    def manifest(self) -> Manifest:
+        """vendor/sglang.sha256 for this tree: the hashes of the members as verified."""
+        return Manifest.create(self.version, dict(self.files))
 
     def lock(self, imported: str) -> Lock:
         return Lock(
@@ -132,6 +138,8 @@ def fetch_release(
             f"sglang {version} has no sdist and its wheel no LICENSE; import it with --upstream-git"
         )
     (tree / "LICENSE").write_bytes(text)
+    hashes = [(f"python/{name}", sha256) for name, sha256 in extracted.hashes]
+    hashes.append(("LICENSE", sha256_hex(text)))
     progress(f"extracted {extracted.files} text files, skipped {len(extracted.skipped)} binary")
     return Release(
         version=version,
@@ -143,6 +151,7 @@ def fetch_release(
         artifacts=_artifacts(listing, downloaded, pinned),
         skipped=tuple(f"python/{member}" for member in extracted.skipped),
         wheel=wheel,
+        files=tuple(hashes),
     )
 
 
@@ -209,6 +218,7 @@ def _fetch_git(
         skipped=tree.skipped,
         url=public,
         commit=tree.commit,
+        files=tree.hashes,
     )
 
 

@@ -26,6 +26,7 @@ class GitTree:
     commit: str
     files: int
     skipped: tuple[str, ...]  # paths of binary files not written
+    hashes: tuple[tuple[str, str], ...] = ()  # (path, sha256 hex) of each file written
 
 
 def public_url(url: str) -> str:
@@ -38,9 +39,9 @@ def public_url(url: str) -> str:
 
 def release_tags(url: str, workdir: Path) -> dict[str, str]:
     """version -> tag for every release-looking tag of the remote (`v` tags win)."""
-    out = gitcmd.run(["ls-remote", "--tags", "--refs", url], workdir).stdout.decode(
-        "utf-8", "replace"
-    )
+    # The user's config: credentials, URL rewrites and proxies for the remote.
+    listed = gitcmd.run(["ls-remote", "--tags", "--refs", url], workdir, user_config=True)
+    out = listed.stdout.decode("utf-8", "replace")
     tags: dict[str, str] = {}
     for line in out.splitlines():
         ref = line.partition("\t")[2]
@@ -57,7 +58,8 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
     git = ["--git-dir", str(git_dir)]
     gitcmd.run(["init", "-q", "--bare", str(git_dir)], workdir)
     ref = f"refs/tags/{tag}"
-    gitcmd.run([*git, "fetch", "-q", "--depth=1", "--no-tags", url, f"+{ref}:{ref}"], workdir)
+    fetch = [*git, "fetch", "-q", "--depth=1", "--no-tags", url, f"+{ref}:{ref}"]
+    gitcmd.run(fetch, workdir, user_config=True)
     commit = gitcmd.output([*git, "rev-parse", "--verify", f"{ref}^{{commit}}"], workdir)
     listing = gitcmd.run(
         [*git, "ls-tree", "-r", "-z", "--full-tree", commit, "--", LICENSE, SUBTREE], workdir
@@ -70,17 +72,19 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
             f"{tag} of {public_url(url)} has no {SUBTREE}/; is it sglang's repository?"
         )
     blobs = _read_blobs(git_dir, [oid for oid, _ in entries.values()], workdir)
-    written, skipped = 0, []
+    written, skipped, hashes = 0, [], []
     for path, (oid, mode) in sorted(entries.items()):
         data = blobs[oid]
         if is_text(data):
-            write_file(dest, PurePosixPath(path), data, executable=mode == "100755")
+            hashes.append(
+                (path, write_file(dest, PurePosixPath(path), data, executable=mode == "100755"))
+            )
             written += 1
         elif path == LICENSE:
             raise FatalError(f"{tag}: LICENSE is not a text file; refusing it")
         else:
             skipped.append(path)
-    return GitTree(commit=commit, files=written, skipped=tuple(skipped))
+    return GitTree(commit=commit, files=written, skipped=tuple(skipped), hashes=tuple(hashes))
 
 
 def _entries(listing: bytes, tag: str) -> dict[str, tuple[str, str]]:

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from sm120fork import pristine
 from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.paths import RepoPaths
 from sm120fork.stack import apply_stack, load_stack, write_applied
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out.resolve()
     if out == tree.resolve() or tree.resolve() in out.parents:
         raise FatalError(f"--out {out} must be outside the tree it patches")
+    if args.tree is None:  # the gate tests judge this tree as upstream's plus the series
+        pristine.require(paths, "the patched tree would not be upstream's release plus the series")
     stack = load_stack(paths)
     overlay = apply_stack(tree, stack.patches)
     # Build beside the target and swap, so a failure leaves `out` as it was.

@@ -1,10 +1,14 @@
-"""`sm120fork check`: list every finding; exit 1 if there is any."""
+"""`sm120fork check`: list every finding; exit 1 if there is any.
+
+The vendored tree against vendor/sglang.sha256, then the series against the tree.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from sm120fork import manifest
 from sm120fork.checks import check_repository
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK
 from sm120fork.paths import RepoPaths
@@ -24,5 +28,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{count} finding{'s' if count != 1 else ''}", file=sys.stderr)
         return EXIT_FINDINGS
     names = sum(1 for _ in paths.patches_dir.glob("*.patch"))
-    print(f"series clean: {names} patches apply exactly to vendor/sglang, all in normal form")
+    vendored = manifest.read(paths.manifest_file)
+    assert vendored is not None  # check_repository reports a missing manifest
+    print(
+        f"series clean: vendor/sglang is sglang {vendored.version} as imported "
+        f"({len(vendored.files)} files); {names} patches apply exactly to it, all in normal form"
+    )
     return EXIT_OK

@@ -1,8 +1,9 @@
 """`sm120fork import VERSION [--upstream-git URL]`: vendor an upstream release.
 
-Writes vendor/sglang (python/sglang/... and LICENSE) and vendor/sglang.lock.
+Writes vendor/sglang (python/sglang/... and LICENSE), vendor/sglang.lock and
+vendor/sglang.sha256 (every file's sha256, as verified on the way in).
 Everything is built in a staging directory beside vendor/ and swapped in with
-renames at the end, so a failure at any step leaves both exactly as they were.
+renames at the end, so a failure at any step leaves all three as they were.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sm120fork import lock
+from sm120fork import lock, manifest
 from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.paths import RepoPaths
 from sm120fork.upstream import SPEC_HELP, fetch_release
@@ -51,36 +52,54 @@ def run(args: argparse.Namespace) -> int:
         )
         new_lock = staging / "sglang.lock"
         new_lock.write_text(lock.dumps(release.lock(imported)), encoding="utf-8")
-        _progress(f"writing {paths.upstream_tree.relative_to(paths.root)} and its lock")
-        _swap_in(release.tree, new_lock, paths, staging / "old")
+        new_manifest = staging / manifest.FILE_NAME
+        new_manifest.write_text(manifest.dumps(release.manifest()), encoding="utf-8")
+        _progress(f"writing {paths.upstream_tree.relative_to(paths.root)}, its lock and manifest")
+        _swap_in(
+            release.tree,
+            {new_manifest: paths.manifest_file, new_lock: paths.lock_file},
+            paths,
+            staging / "old",
+        )
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(
         f"imported sglang {release.version} ({release.source}, {release.tree_from}); "
-        f"{len(release.skipped)} binary files left out; wrote vendor/sglang.lock"
+        f"{len(release.skipped)} binary files left out; wrote vendor/sglang.lock and "
+        f"vendor/{manifest.FILE_NAME} ({len(release.files)} files)"
     )
     return EXIT_OK
 
 
-def _swap_in(tree: Path, new_lock: Path, paths: RepoPaths, old: Path) -> None:
-    """Replace vendor/sglang and vendor/sglang.lock, undoing the first rename if
-    the second fails (the lock is replaced last, by an atomic rename)."""
+def _swap_in(tree: Path, files: dict[Path, Path], paths: RepoPaths, old: Path) -> None:
+    """Replace vendor/sglang by renames, then each of `files` (new -> final; the lock
+    last) by an atomic rename over it; a failure puts back what was already replaced."""
     created_vendor = not paths.vendor_dir.exists()
     had_tree = paths.upstream_tree.exists()
+    old.mkdir()
+    replaced: list[tuple[Path, Path]] = []  # (saved copy, final) of each file replaced
     try:
         paths.vendor_dir.mkdir(exist_ok=True)
         if had_tree:
-            paths.upstream_tree.rename(old)
+            paths.upstream_tree.rename(old / "tree")
         try:
             tree.rename(paths.upstream_tree)
-            try:
-                new_lock.replace(paths.lock_file)
-            except BaseException:
-                paths.upstream_tree.rename(tree)
-                raise
+            for new, final in files.items():
+                saved = old / final.name
+                if final.exists():
+                    shutil.copy2(final, saved)
+                new.replace(final)
+                replaced.append((saved, final))
         except BaseException:
+            for saved, final in reversed(replaced):
+                if saved.exists():
+                    saved.replace(final)
+                else:
+                    final.unlink()
+            if paths.upstream_tree.exists() and not tree.exists():
+                paths.upstream_tree.rename(tree)
             if had_tree:
-                old.rename(paths.upstream_tree)
+                (old / "tree").rename(paths.upstream_tree)
             raise
     except OSError as error:
         if created_vendor:

@@ -1,7 +1,10 @@
 """`sm120fork rebase VERSION | --continue | --abort`: carry the series onto a new release.
 
-Exit 0 when done (or a dry run found no conflict), 1 when stopped on a
-conflict, 2 on bad input. See sm120fork.rebase for the steps.
+Exit 0 when done, up to date (nothing newer than the pinned release) or a dry
+run found no conflict; 1 when stopped on a conflict; 2 on bad input. Started
+with VERSION (and no other rebase in progress), it leaves build/rebase/report.json,
+whose `result` says which: nox maps every failure to exit 1. See sm120fork.rebase
+for the steps.
 """
 
 from __future__ import annotations

@@ -12,10 +12,12 @@ picks up after a crash wherever it happened:
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
 
+from sm120fork import lock
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK, FatalError
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import finalize, gatefindings, phases, preconditions, report, targets
@@ -23,34 +25,74 @@ from sm120fork.rebase.landing import land
 from sm120fork.rebase.run import Run, say
 from sm120fork.rebase.state import MemoryStore, PatchState, RebaseState, StateDir, Target
 from sm120fork.stack import load_stack
+from sm120fork.upstream import where
 
 
 def start(paths: RepoPaths, spec: str, *, git_url: str | None, step: bool, dry_run: bool) -> int:
+    """`rebase VERSION`: whatever the outcome, build/rebase/report.json says it in
+    `result` (nox turns every failure into exit 1, so scripts read that instead)."""
     state_dir = StateDir.of(paths.root)
     with state_dir.running():
-        pinned = preconditions.check_start(paths, state_dir, dry_run=dry_run)
-        stack = load_stack(paths)
-        with tempfile.TemporaryDirectory(prefix="sm120fork-rebase-") as scratch:
-            versions = targets.plan(
-                spec, pinned.version, git_url=git_url, step=step, scratch=Path(scratch)
-            )
-            state = RebaseState(
-                from_version=pinned.version,
-                git_url=git_url,
-                step_mode=step,
-                phase="fetch",
-                fingerprint=preconditions.fingerprint(paths),
-                targets=tuple(Target(version) for version in versions),
-                patches=tuple(
-                    PatchState(p.name, p.strip, text=p.raw.decode("utf-8")) for p in stack.patches
-                ),
-            )
-            if dry_run:
-                return _drive(Run(paths, Path(scratch), MemoryStore(), dry_run=True), state)
-        area = paths.build_dir / "rebase"
-        shutil.rmtree(area, ignore_errors=True)
-        state_dir.create(state)
-        return _drive(Run(paths, area, state_dir), state)
+        preconditions.refuse_in_progress(state_dir)  # and keep that rebase's report
+        try:
+            return _start(paths, state_dir, spec, git_url=git_url, step=step, dry_run=dry_run)
+        except FatalError as error:
+            refused = report.refused(_pinned_version(paths), spec, git_url, error.message)
+            with contextlib.suppress(OSError):  # the error itself is what the person must see
+                report.write(paths.build_dir / "rebase", refused)
+            raise
+
+
+def _start(
+    paths: RepoPaths,
+    state_dir: StateDir,
+    spec: str,
+    *,
+    git_url: str | None,
+    step: bool,
+    dry_run: bool,
+) -> int:
+    pinned = preconditions.check_start(paths, dry_run=dry_run)
+    stack = load_stack(paths)
+    with tempfile.TemporaryDirectory(prefix="sm120fork-rebase-") as scratch:
+        versions = targets.plan(
+            spec, pinned.version, git_url=git_url, step=step, scratch=Path(scratch)
+        )
+        if not versions:
+            return _up_to_date(paths, pinned.version, git_url)
+        state = RebaseState(
+            from_version=pinned.version,
+            git_url=git_url,
+            step_mode=step,
+            phase="fetch",
+            fingerprint=preconditions.fingerprint(paths),
+            targets=tuple(Target(version) for version in versions),
+            patches=tuple(
+                PatchState(p.name, p.strip, text=p.raw.decode("utf-8")) for p in stack.patches
+            ),
+        )
+        if dry_run:
+            return _drive(Run(paths, Path(scratch), MemoryStore(), dry_run=True), state)
+    area = paths.build_dir / "rebase"
+    shutil.rmtree(area, ignore_errors=True)
+    state_dir.create(state)
+    return _drive(Run(paths, area, state_dir), state)
+
+
+def _up_to_date(paths: RepoPaths, version: str, git_url: str | None) -> int:
+    """Nothing newer than the pinned release: success, in one line (the upstream watch
+    runs `rebase latest` every day)."""
+    _, md = report.write(paths.build_dir / "rebase", report.up_to_date(version, git_url))
+    print(f"up to date with sglang {version}: no newer release {where(git_url)}; report {md}")
+    return EXIT_OK
+
+
+def _pinned_version(paths: RepoPaths) -> str | None:
+    try:
+        pinned = lock.read(paths.lock_file)
+    except FatalError:
+        return None
+    return pinned.version if pinned else None
 
 
 def resume(paths: RepoPaths, *, note: str = "", drop: str = "") -> int:
@@ -77,7 +119,11 @@ def abort(paths: RepoPaths) -> int:
     with state_dir.running():
         if not state_dir.exists():
             raise FatalError("no rebase in progress; nothing to abort")
-        state = state_dir.load() if state_dir.state_file.exists() else None
+        try:
+            state = state_dir.load()
+        except FatalError as error:  # a missing or damaged state must not block --abort
+            say(f"warning: {error.message.rsplit('; ', 1)[0]}")
+            state = None
         run = Run(paths, paths.build_dir / "rebase", state_dir)
         if state is not None and state.journal is not None:
             if state.journal.step == "swapped":
@@ -89,7 +135,13 @@ def abort(paths: RepoPaths) -> int:
             finalize.undo(paths.root, state.journal)
         shutil.rmtree(run.area, ignore_errors=True)
         state_dir.remove()
-    say("aborted: vendor/, patches/ and CHANGELOG.md are as they were before the rebase")
+    if state is None:
+        say(
+            "aborted without a readable state: vendor/, patches/ and CHANGELOG.md were left "
+            "as they are; `git status` shows whether the rebase had changed them"
+        )
+    else:
+        say("aborted: vendor/, patches/ and CHANGELOG.md are as they were before the rebase")
     return EXIT_OK
 
 

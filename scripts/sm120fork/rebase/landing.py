@@ -21,7 +21,8 @@ def land(run: Run, state: RebaseState) -> int:
     if plan is None or plan.step == "staging":
         state = run.release_gates(state)  # with --step, also the gates section below
         gates = run.gates(state)
-        writers = outputs.writers(run.paths, state, run.tree(state.final.version), gates)
+        final = state.final.version
+        writers = outputs.writers(run.paths, state, run.tree(final), run.manifest(final), gates)
         plan = finalize.journal(root, writers)
         state = run.save(replace(state, journal=plan, gates=gates))
         say("staging vendor/sglang, its lock, patches/ and CHANGELOG.md")

@@ -1,4 +1,4 @@
-"""What a finished rebase lands: the new tree, its lock, patches/ and CHANGELOG.md.
+"""What a finished rebase lands: the new tree, its lock and manifest, patches/, CHANGELOG.md.
 
 Each writer fills one staged copy (see finalize.py). A patch whose diff did
 not change keeps its bytes, `Last-Update` included; a changed one gets
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sm120fork import lock
+from sm120fork.errors import FatalError
 from sm120fork.lines import split_lines
 from sm120fork.normalform import render_patch
 from sm120fork.patchfile import parse_patch
@@ -34,7 +35,11 @@ _INTENT = re.compile(r"^(?=\[\[intent\]\][ \t]*$)", re.MULTILINE)
 
 
 def writers(
-    paths: RepoPaths, state: RebaseState, new_tree: Path, gates: dict[str, list[Any]]
+    paths: RepoPaths,
+    state: RebaseState,
+    new_tree: Path,
+    new_manifest: Path,
+    gates: dict[str, list[Any]],
 ) -> dict[Path, Writer]:
     today = lock.today()
 
@@ -43,6 +48,14 @@ def writers(
 
     def lock_file(dest: Path) -> None:
         dest.write_bytes(state.final.lock_text.encode("utf-8"))
+
+    def manifest_file(dest: Path) -> None:
+        try:
+            shutil.copyfile(new_manifest, dest)
+        except FileNotFoundError:  # fetched by a tool from before the manifest
+            raise FatalError(
+                f"{new_manifest} is missing; run `rebase --abort`, then start the rebase again"
+            ) from None
 
     def patches(dest: Path) -> None:
         shutil.copytree(paths.patches_dir, dest, symlinks=True)
@@ -68,6 +81,7 @@ def writers(
 
     return {
         paths.upstream_tree: tree,
+        paths.manifest_file: manifest_file,
         paths.lock_file: lock_file,
         paths.patches_dir: patches,
         paths.changelog: changelog_file,

@@ -9,12 +9,15 @@ from sm120fork.paths import RepoPaths
 from sm120fork.rebase.state import StateDir
 
 
-def check_start(paths: RepoPaths, state_dir: StateDir, *, dry_run: bool) -> lock.Lock:
-    """Refuse (exit 2) unless a rebase may start; returns the lock in force."""
+def refuse_in_progress(state_dir: StateDir) -> None:
     if state_dir.exists():
         raise FatalError(
             "a rebase is already in progress; finish it with --continue or drop it with --abort"
         )
+
+
+def check_start(paths: RepoPaths, *, dry_run: bool) -> lock.Lock:
+    """Refuse (exit 2) unless a rebase may start; returns the lock in force."""
     if not dry_run:
         what = "the repository has uncommitted changes"
         _refuse_changes(paths, what, (), "commit or undo them, then retry")
@@ -24,7 +27,8 @@ def check_start(paths: RepoPaths, state_dir: StateDir, *, dry_run: bool) -> lock
     findings = check_repository(paths)
     if findings:
         raise FatalError(
-            f"the series must apply exactly to vendor/sglang before a rebase, but {findings[0]}"
+            "the series must apply exactly to vendor/sglang, as imported, before a rebase, "
+            f"but {findings[0]}"
             f" ({len(findings)} finding{'s' if len(findings) != 1 else ''}); "
             "run `sm120fork check` and fix them first"
         )
@@ -36,7 +40,9 @@ LANDS = ("vendor", "patches", "CHANGELOG.md")
 
 def fingerprint(paths: RepoPaths) -> str:
     """The committed ids of what a rebase lands ("" in a repository without commits)."""
-    result = gitcmd.run(["ls-tree", "HEAD", "--", *LANDS], paths.root, check=False)
+    result = gitcmd.run(
+        ["ls-tree", "HEAD", "--", *LANDS], paths.root, check=False, user_config=True
+    )
     return result.stdout.decode("utf-8", "replace") if result.returncode == 0 else ""
 
 
@@ -51,7 +57,9 @@ def check_resume(paths: RepoPaths, started: str) -> None:
 
 def _refuse_changes(paths: RepoPaths, what: str, pathspec: tuple[str, ...], fix: str) -> None:
     status = gitcmd.output(
-        ["status", "--porcelain", "--untracked-files=normal", "--", *pathspec], paths.root
+        ["status", "--porcelain", "--untracked-files=normal", "--", *pathspec],
+        paths.root,
+        user_config=True,  # the user's excludes decide what counts as a change, as for them
     )
     if status:
         changes = status.splitlines()

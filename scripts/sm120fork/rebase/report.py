@@ -17,7 +17,8 @@ from sm120fork.rebase.gatefindings import KINDS
 from sm120fork.rebase.ledger import first_break, shown
 from sm120fork.rebase.state import Conflict, RebaseState, StepResult
 
-Result = Literal["complete", "conflict", "dry-run"]
+# How a `rebase VERSION` ended; the upstream watch reads this, not the exit code.
+Result = Literal["complete", "conflict", "dry-run", "up-to-date", "bad-input"]
 _DRY_RUN_NOTE = [
     "A dry run goes on past a conflict: the patches after one were carried without it.",
     "",
@@ -42,6 +43,28 @@ def build(
     if result == "conflict" and work_tree:
         report["work_tree"] = work_tree
     return report
+
+
+def up_to_date(version: str, git_url: str | None) -> dict[str, Any]:
+    """The pinned release is the newest: nothing carried, nothing compared."""
+    return _outcome(version, version, git_url, "up-to-date")
+
+
+def refused(pinned: str | None, spec: str, git_url: str | None, error: str) -> dict[str, Any]:
+    """A rebase refused before it began, or stopped by bad input (exit 2): `to` is the
+    release as asked for, `error` the one line the command printed."""
+    return {**_outcome(pinned, spec, git_url, "bad-input"), "error": error}
+
+
+def _outcome(pinned: str | None, to: str, git_url: str | None, result: Result) -> dict[str, Any]:
+    return {
+        "from": pinned,
+        "to": to,
+        "source": "git" if git_url else "pypi",
+        "result": result,
+        "patches": [],
+        "gates": {kind: [] for kind in KINDS},
+    }
 
 
 def _walk(state: RebaseState) -> list[dict[str, Any]]:
@@ -152,6 +175,16 @@ def summary_line(report: dict[str, Any]) -> str:
 
 
 def _markdown(report: dict[str, Any], listed: int | None) -> str:
+    if report["result"] == "up-to-date":
+        return (
+            f"# The sm120 series is up to date\n\nsglang {report['to']} ({report['source']}) "
+            "is the newest release: nothing to rebase.\n"
+        )
+    if report["result"] == "bad-input":
+        return (
+            f"# Rebase the sm120 series onto sglang {report['to']}\n\n"
+            f"**Refused** (bad input), from sglang {report['from']}: {report['error']}\n"
+        )
     counts = Counter(p["status"] for p in report["patches"])
     lines = [
         f"# Rebase the sm120 series onto sglang {report['to']}",

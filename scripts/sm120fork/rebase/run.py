@@ -37,6 +37,9 @@ class Run:
     def tree(self, version: str) -> Path:
         return targets.tree(self.release_dir(version))
 
+    def manifest(self, version: str) -> Path:
+        return targets.manifest_file(self.release_dir(version))
+
     @property
     def reports(self) -> Path:
         return self.paths.build_dir / "rebase"

@@ -188,7 +188,9 @@ class StateDir:
 
     @classmethod
     def of(cls, root: Path) -> StateDir:
-        result = gitcmd.run(["rev-parse", "--absolute-git-dir"], root, check=False)
+        result = gitcmd.run(
+            ["rev-parse", "--absolute-git-dir"], root, check=False, user_config=True
+        )
         if result.returncode != 0:
             raise FatalError(f"{root} is not a git repository; rebase needs the fork's checkout")
         return cls(Path(result.stdout.decode().strip()))
@@ -217,10 +219,22 @@ class StateDir:
             ) from error
 
     def load(self) -> RebaseState:
+        if not self.exists():
+            raise FatalError("no rebase in progress; start one with `rebase VERSION`")
         try:
-            return loads(self.state_file.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FatalError("no rebase in progress; start one with `rebase VERSION`") from None
+            text = self.state_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise FatalError(
+                f"cannot read the rebase state {self.state_file} ({error}); run `rebase --abort`"
+            ) from error
+        try:
+            return loads(text)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            # Written only by atomic renames: damage came from outside the tool.
+            raise FatalError(
+                f"the rebase state {self.state_file} is damaged ({type(error).__name__}: "
+                f"{error}); run `rebase --abort`"
+            ) from error
 
     def save(self, state: RebaseState) -> None:
         atomic_write(self.state_file, dumps(state).encode("utf-8"))

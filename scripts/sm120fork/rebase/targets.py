@@ -7,7 +7,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from sm120fork import lock
+from sm120fork import lock, manifest
 from sm120fork.errors import FatalError
 from sm120fork.upstream import Progress, available_versions, fetch_release, where
 from sm120fork.upstream_versions import releases, resolve_version
@@ -15,13 +15,15 @@ from sm120fork.upstream_versions import releases, resolve_version
 
 def plan(spec: str, pinned: str, *, git_url: str | None, step: bool, scratch: Path) -> list[str]:
     """The releases to carry to, oldest first: the target, or with `step` every
-    release after `pinned` up to it. Unknown or older targets are refused."""
+    release after `pinned` up to it; none when the target is the pinned release
+    (up to date: `latest` on a day without a new release). Unknown or older
+    targets are refused."""
     available = available_versions(git_url, workdir=scratch)
     target = resolve_version(spec, available, where(git_url))
-    if Version(target) <= Version(pinned):
-        raise FatalError(
-            f"sglang {target} is not newer than the pinned {pinned}; name a later release"
-        )
+    if Version(target) == Version(pinned):
+        return []
+    if Version(target) < Version(pinned):
+        raise FatalError(f"sglang {target} is older than the pinned {pinned}; name a later release")
     if not step:
         return [target]
     return [text for v, text in releases(available) if Version(pinned) < v <= Version(target)]
@@ -32,6 +34,11 @@ def tree(workdir: Path) -> Path:
     return workdir / "tree"
 
 
+def manifest_file(workdir: Path) -> Path:
+    """Where `fetch` writes the release's vendor/sglang.sha256."""
+    return workdir / manifest.FILE_NAME
+
+
 def fetch(
     version: str,
     *,
@@ -40,7 +47,8 @@ def fetch(
     locked: lock.Lock | None,
     progress: Progress,
 ) -> str:
-    """Download `version` into `workdir` (replacing it) and return its lock's text."""
+    """Download `version` into `workdir` (replacing it), write its manifest beside the
+    tree, and return its lock's text (saved in the state only once both are there)."""
     if workdir.exists():
         shutil.rmtree(workdir)
     release = fetch_release(
@@ -48,4 +56,5 @@ def fetch(
     )
     if release.tree != tree(workdir):  # pragma: no cover - a changed convention is a bug
         raise AssertionError(f"fetch_release wrote {release.tree}, expected {tree(workdir)}")
+    manifest_file(workdir).write_text(manifest.dumps(release.manifest()), encoding="utf-8")
     return lock.dumps(release.lock(lock.today()))

@@ -8,7 +8,6 @@ dist/ only when every wheel is built, so that a failure leaves dist/ as it was.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Sized
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +15,10 @@ from pathlib import Path
 from packaging.version import Version
 
 from sm120fork import lock as lockfile
+from sm120fork import pristine
 from sm120fork.errors import FatalError
 from sm120fork.forkversion import read_fork_version
+from sm120fork.fsutil import create_temporary
 from sm120fork.paths import RepoPaths
 from sm120fork.stack import load_stack
 from sm120fork.wheel.fetch import fetch
@@ -43,6 +44,8 @@ def build_wheels(
     lock = lockfile.read(paths.lock_file)
     if lock is None:
         raise FatalError(f"{paths.lock_file} does not exist; run `sm120fork import VERSION` first")
+    # The series was checked against vendor/sglang: it must be the release the lock pins.
+    pristine.require(paths, "the wheel would carry a series checked against another tree")
     release = read_fork_version(paths.changelog, lock.version)
     version = str(Version(str(release)))
     stack = load_stack(paths)
@@ -90,11 +93,11 @@ def _writing(target: Path) -> Iterator[None]:
 
 
 def _temporary(directory: Path, name: str) -> Path:
+    # Normal file permissions (fsutil): a dist/ wheel must be installable by another user.
     with _writing(directory):
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        fd, path = create_temporary(directory, name, suffix=".tmp")
         os.close(fd)
-    return Path(path)
+    return path
 
 
 def _source_date_epoch(default: int) -> int:
