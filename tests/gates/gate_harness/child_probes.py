@@ -328,3 +328,44 @@ def run_probe(name: str, server_args: Any) -> Observation:
         return {**dict.fromkeys(fields, why), f"probe.{name}": why}
     except Exception as exc:
         return {**{field: describe(exc) for field in fields}, f"probe.{name}": describe(exc)}
+
+
+# --------------------------------------------------------------------------- issue 13: MoE LoRA
+# (appended; registered into PROBES below)
+
+MOE_LORA_CUTEDSL = ("sglang.kernels.ops.lora.moe.cutedsl.api",)
+
+
+def probe_moe_lora_cutedsl(_: Any) -> Observation:
+    """The MoE-LoRA CuTe DSL base GEMM's kernel class for this device (no compile)."""
+    _, api = _first_module(MOE_LORA_CUTEDSL, "_bf16_kernel_class_for")
+    device = _import("torch").device("cuda", 0)
+    obs: Observation = {}
+    for dtype in ("bf16", "fp8"):
+        pick = getattr(api, f"_{dtype}_kernel_class_for", None)
+        field = f"lora_moe_cutedsl.{dtype}_kernel_class"
+        if pick is None:
+            obs[field] = f"{UNAVAILABLE}no _{dtype}_kernel_class_for"
+            continue
+        try:
+            obs[field] = getattr(pick(device), "__name__", str(pick))
+        except Exception as exc:
+            obs[field] = describe(exc)
+    return obs
+
+
+def probe_check_server_args(server_args: Any) -> Observation:
+    """The launch-time validation (engine.py calls it after resolution, before
+    publishing the args): where the LoRA flags are checked and resolved."""
+    check = getattr(server_args, "check_server_args", None)
+    if not callable(check):
+        raise Unavailable("ServerArgs has no check_server_args()")
+    check()
+    return {"server_args.check_server_args": "ok"}
+
+
+PROBES["check_server_args"] = (probe_check_server_args, ("server_args.check_server_args",))
+PROBES["moe_lora_cutedsl"] = (
+    probe_moe_lora_cutedsl,
+    ("lora_moe_cutedsl.bf16_kernel_class", "lora_moe_cutedsl.fp8_kernel_class"),
+)
