@@ -19,6 +19,13 @@ def test_top_heading_gives_the_version() -> None:
     assert found.epoch == 1796083200
 
 
+def test_an_unreleased_top_entry_is_dated_like_the_last_release() -> None:
+    text = "# Changelog\n\n## 0.5.9+sm120.2 - unreleased\n\n## 0.5.9+sm120.1 - 2026-11-29\n"
+    assert parse_changelog(text) == ForkVersion("0.5.9", 2, "2026-11-29")
+    with pytest.raises(FatalError, match="no dated entry follows it"):
+        parse_changelog("## 0.5.9+sm120.1 - unreleased\n")
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

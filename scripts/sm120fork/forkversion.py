@@ -1,7 +1,9 @@
 """The fork's version, `<upstream>+sm120.<n>`, read from the top of CHANGELOG.md.
 
 The release number `n` lives in one reviewed place: the first `## ` heading of
-CHANGELOG.md, written as `## 0.5.9+sm120.1 - 2026-11-29`. A rebase onto a new
+CHANGELOG.md, written as `## 0.5.9+sm120.1 - 2026-11-29`, or `## 0.5.9+sm120.2 -
+unreleased` while the next release is being prepared (its wheels are dated like
+the newest dated entry below it, so they stay reproducible). A rebase onto a new
 upstream release writes a new `+sm120.1` entry, so `n` restarts with each base.
 """
 
@@ -16,7 +18,9 @@ from packaging.version import InvalidVersion, Version
 
 from sm120fork.errors import FatalError
 
-_HEADING = re.compile(r"##\s+(?P<version>\S+)\s+-\s+(?P<date>\d{4}-\d{2}-\d{2})\s*")
+_HEADING = re.compile(r"##\s+(?P<version>\S+)\s+-\s+(?P<date>\d{4}-\d{2}-\d{2}|unreleased)\s*")
+_DATED = re.compile(r"##\s+\S+\s+-\s+(?P<date>\d{4}-\d{2}-\d{2})\s*")
+UNRELEASED = "unreleased"
 _FORK_VERSION = re.compile(r"(?P<upstream>[^+]+)\+sm120\.(?P<n>[1-9]\d*)")
 
 
@@ -24,7 +28,7 @@ _FORK_VERSION = re.compile(r"(?P<upstream>[^+]+)\+sm120\.(?P<n>[1-9]\d*)")
 class ForkVersion:
     upstream: str  # as the lock spells it, e.g. "0.5.9"
     n: int
-    date: str  # the release date of the CHANGELOG entry, YYYY-MM-DD
+    date: str  # the release date of the CHANGELOG entry (of the last one, if unreleased)
 
     def __str__(self) -> str:
         return f"{self.upstream}+sm120.{self.n}"
@@ -50,12 +54,27 @@ def parse_changelog(text: str, origin: str = "CHANGELOG.md") -> ForkVersion:
                 f"{origin}:{lineno}: the top entry {line.strip()!r} is not like {example}; "
                 "the fork release number comes from that heading"
             )
+        date = heading["date"]
+        if date == UNRELEASED:
+            date = _last_release(text.splitlines()[lineno:], origin, lineno)
         try:
-            datetime.date.fromisoformat(heading["date"])
+            datetime.date.fromisoformat(date)
         except ValueError:
-            raise FatalError(f"{origin}:{lineno}: {heading['date']} is not a date") from None
-        return ForkVersion(version["upstream"], int(version["n"]), heading["date"])
+            raise FatalError(f"{origin}:{lineno}: {date} is not a date") from None
+        return ForkVersion(version["upstream"], int(version["n"]), date)
     raise FatalError(f"{origin} has no `## ` entry; add one like {example} at the top")
+
+
+def _last_release(below: list[str], origin: str, lineno: int) -> str:
+    """The date of the newest dated entry below an unreleased one."""
+    for line in below:
+        dated = _DATED.fullmatch(line)
+        if dated is not None:
+            return dated["date"]
+    raise FatalError(
+        f"{origin}:{lineno}: the top entry is unreleased and no dated entry follows it; "
+        "give it its release date"
+    )
 
 
 def read_fork_version(changelog: Path, upstream: str) -> ForkVersion:
