@@ -410,11 +410,20 @@ def test_parallel_scan_finds_the_same_gates(tmp_path: Path) -> None:
             pass
     """
     files["srt/m7.py"] = HELPERS + "\nFLAG_X = is_sm120_supported()\n"
+    # a value that flows between modules in different shares
+    files["srt/callee.py"] = "def tile(major):\n    return 256 if major >= 10 else 128\n"
+    files["srt/caller.py"] = """
+        import torch
+        from sglang.srt.callee import tile
+        def pick():
+            return tile(torch.cuda.get_device_capability()[0])
+    """
     root = make_tree(tmp_path, files)
     serial = scan_tree(root, workers=1)
     parallel = scan_tree(root, workers=2)
     assert [g.to_json() for g in serial.gates] == [g.to_json() for g in parallel.gates]
     assert answers(only(parallel, "FLAG_X")) == "FFFFFTT"
+    assert answers(only(parallel, "major >= 10")) == "FFFTTTT"
 
 
 def test_module_constants_and_imported_platform_probes(tmp_path: Path) -> None:
@@ -478,3 +487,181 @@ def test_a_parameter_is_architectural_only_if_every_call_says_so(tmp_path: Path)
         },
     )
     assert inventory.gates == ()
+
+
+def test_parameters_take_the_architecture_values_of_callers_in_other_modules(
+    tmp_path: Path,
+) -> None:
+    """0.5.23 lora/utils.py: a module without gate tokens whose function is given
+    the device's major by its callers elsewhere (by name, by keyword, through the
+    module), and a class whose constructor is."""
+    inventory = scan(
+        tmp_path,
+        {
+            "srt/lora/utils.py": """
+                def architecture_for_capability(major: int) -> str:
+                    if major == 9:
+                        return "sm90"
+                    if major >= 10:
+                        return "sm100"
+                    return "default"
+            """,
+            "srt/lora/dense/runner.py": """
+                import torch
+                from sglang.srt.lora.utils import architecture_for_capability
+
+                class DenseRunner:
+                    def __init__(self, device):
+                        major, _ = torch.cuda.get_device_capability(device)
+                        self.architecture = architecture_for_capability(major)
+            """,
+            "srt/lora/moe/runner.py": """
+                import torch
+                from sglang.srt.lora import utils
+
+                def build(device):
+                    major, _ = torch.cuda.get_device_capability(device)
+                    return utils.architecture_for_capability(major=major)
+            """,
+            "kernels/blocks.py": """
+                class BlocksKernel:
+                    def __init__(self, tile: int = 128, use_pdl: bool = False):
+                        self.use_pdl = use_pdl
+
+                    def launch(self):
+                        return 2 if self.use_pdl else 1
+            """,
+            "kernels/interface.py": """
+                from sglang.srt.utils import get_device_sm
+                from sglang.kernels.blocks import BlocksKernel
+
+                def compile_blocks():
+                    return BlocksKernel(tile=64, use_pdl=get_device_sm() >= 90)
+            """,
+        },
+    )
+    gate = only(inventory, "major >= 10")
+    assert (gate.file, gate.function) == (
+        "python/sglang/srt/lora/utils.py",
+        "architecture_for_capability",
+    )
+    assert answers(gate) == "FFFTTTT"
+    assert answers(only(inventory, "major == 9")) == "FFTFFFF"
+    assert answers(only(inventory, "self.use_pdl")) == "FFTTTTT"
+
+
+def test_a_parameter_from_other_modules_needs_every_call_to_say_so(tmp_path: Path) -> None:
+    """One caller passes the architecture, a test elsewhere a literal: no gate."""
+    inventory = scan(
+        tmp_path,
+        {
+            "srt/lora/utils.py": """
+                def architecture_for_capability(major: int) -> str:
+                    return "sm100" if major >= 10 else "default"
+            """,
+            "srt/lora/runner.py": """
+                import torch
+                from sglang.srt.lora.utils import architecture_for_capability
+
+                def build(device):
+                    major, _ = torch.cuda.get_device_capability(device)
+                    return architecture_for_capability(major)
+            """,
+            "test/test_lora_plans.py": """
+                from sglang.srt.lora.utils import architecture_for_capability
+
+                def test_plans():
+                    assert architecture_for_capability(9) == "default"
+            """,
+        },
+    )
+    assert conditions(inventory) == []
+
+
+def test_a_mixin_reads_what_the_class_inheriting_it_assigns(tmp_path: Path) -> None:
+    """0.5.23 dsa/dsa_backend_kpool.py: the mixin's `self.device_sm_major` is
+    assigned by the backend class (another module) that inherits the mixin."""
+    inventory = scan(
+        tmp_path,
+        {
+            "srt/layers/attention/dsa/kpool.py": """
+                class KPoolMixin:
+                    def _resolve_tail_backend(self, impl):
+                        if self.device_sm_major >= 10:
+                            return "trtllm"
+                        if self.device_sm_major == 9:
+                            return "fa3"
+                        return impl
+
+                    def _schedule(self):
+                        return self.page_major == 9
+            """,
+            "srt/layers/attention/dsa_backend.py": """
+                from sglang.srt.layers.attention.dsa.kpool import KPoolMixin
+                from sglang.srt.utils import get_device_capability
+
+                class AttentionBackend:
+                    pass
+
+                class DsaBackend(AttentionBackend, KPoolMixin):
+                    def __init__(self, page_major):
+                        self.device_capability = get_device_capability()
+                        self.device_sm_major = self.device_capability[0]
+                        self.page_major = page_major
+            """,
+        },
+    )
+    gate = only(inventory, "self.device_sm_major >= 10")
+    assert (gate.function, answers(gate)) == ("KPoolMixin._resolve_tail_backend", "FFFTTTT")
+    assert answers(only(inventory, "self.device_sm_major == 9")) == "FFTFFFF"
+    assert "self.page_major == 9" not in conditions(inventory)  # not architectural
+
+
+def test_attributes_flow_along_inheritance_either_way(tmp_path: Path) -> None:
+    """A subclass reads what its base (another module) assigns; within one
+    module a base reads what every subclass assigns, if every one says so."""
+    inventory = scan(
+        tmp_path,
+        {
+            "srt/layers/base.py": """
+                import torch
+
+                class Base:
+                    def __init__(self):
+                        self.sm_major = torch.cuda.get_device_capability()[0]
+            """,
+            "srt/layers/kernels.py": """
+                from sglang.srt.layers.base import Base
+
+                class Kernel(Base):
+                    def pick(self):
+                        return "tcgen05" if self.sm_major == 10 else "mma"
+            """,
+            "srt/layers/local.py": """
+                import torch
+
+                class Mixin:
+                    def wide(self):
+                        if self.major >= 10:
+                            return 256
+                        return 128
+
+                    def narrow(self):
+                        if self.tiles > 2:
+                            return 1
+
+                class A(Mixin):
+                    def __init__(self):
+                        self.major = torch.cuda.get_device_capability()[0]
+                        self.tiles = torch.cuda.get_device_capability()[0]
+
+                class B(Mixin):
+                    def __init__(self):
+                        self.major = torch.cuda.get_device_capability()[0]
+                        self.tiles = 4
+            """,
+        },
+    )
+    assert answers(only(inventory, "self.sm_major == 10")) == "FFFTTFF"
+    assert answers(only(inventory, "self.major >= 10")) == "FFFTTTT"
+    assert "self.tiles > 2" not in conditions(inventory)  # B assigns a literal

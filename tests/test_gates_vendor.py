@@ -90,6 +90,19 @@ def test_the_patched_gates(inventory: Inventory) -> None:
     assert answers(deepgemm) == "FFFFF??" and deepgemm.decision == "included"
 
 
+@pytest.mark.usefixtures("pinned")
+def test_gates_that_take_the_architecture_from_other_modules(inventory: Inventory) -> None:
+    """A parameter every caller elsewhere passes the device's major; an attribute
+    the class inheriting a mixin assigns (issue 13)."""
+    plans = gate_at(inventory, "srt/lora/utils.py", 121)
+    assert (plans.condition, answers(plans)) == ("major >= 10", "FFFTTTT")
+    kpool = gate_at(inventory, "srt/layers/attention/dsa/dsa_backend_kpool.py", 74)
+    assert (kpool.condition, answers(kpool)) == ("self.device_sm_major >= 10", "FFFTTTT")
+    assert kpool.decision == "excluded"
+    decode = gate_at(inventory, "srt/layers/attention/dsv4/v41_indexer/full_topk.py", 61)
+    assert (answers(decode), decode.patch) == ("FFFTTTT", "sm120-v41-indexer-deep-gemm.patch")
+
+
 def test_the_gates_the_series_adds_are_in_the_patched_tree() -> None:
     """`added` entries review gates upstream lacks; the patched sources must hold them."""
     policy = load_policy(POLICY)

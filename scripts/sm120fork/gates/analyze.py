@@ -7,12 +7,23 @@ from dataclasses import dataclass, field
 
 from sm120fork.gates import semantics
 from sm120fork.gates.evaluate import Context, Evaluator
+from sm120fork.gates.flows import class_facts, flow_seeds, gather_calls, outgoing_calls
 from sm120fork.gates.functions import zero_argument
 from sm120fork.gates.hot import Hotness, hot_lines
 from sm120fork.gates.model import ARCHS, Gate, ScanProblem
 from sm120fork.gates.scopes import ModuleScopes, build_scopes
 from sm120fork.gates.sites import SiteFinder
-from sm120fork.gates.values import DepText, Export, ExternalFn, LocalFn, Val, concrete
+from sm120fork.gates.values import (
+    CallArgs,
+    ClassFacts,
+    ClassRef,
+    DepText,
+    Export,
+    ExternalFn,
+    LocalFn,
+    Val,
+    concrete,
+)
 
 REFERENCE = next(i for i, a in enumerate(ARCHS) if a.name == "sm120")
 ARCH_INDEX = {arch.name: i for i, arch in enumerate(ARCHS)}
@@ -23,14 +34,16 @@ class ParsedModule:
     relpath: str
     text: str
     scopes: ModuleScopes
-    _hotness: dict[frozenset[str], Hotness] = field(default_factory=dict)
+    _hotness: dict[tuple[frozenset[str], frozenset[tuple[str, str]]], Hotness] = field(
+        default_factory=dict
+    )
 
-    def hotness(self, seeds: set[str]) -> Hotness:
+    def hotness(self, seeds: set[str], params: frozenset[tuple[str, str]] = frozenset()) -> Hotness:
         """The hot lines for these imported seeds (the same in both passes, mostly)."""
-        key = frozenset(seeds)
+        key = (frozenset(seeds), params)
         found = self._hotness.get(key)
         if found is None:
-            found = self._hotness[key] = hot_lines(self.text, self.scopes, key)
+            found = self._hotness[key] = hot_lines(self.text, self.scopes, key[0], params)
         return found
 
 
@@ -42,6 +55,9 @@ class ModuleResult:
     exports: dict[str, Export]
     unknown_helpers: frozenset[str]
     imports: frozenset[tuple[str, str]]  # (module, name) imported; name "" for a module
+    # other modules' functions it passes the architecture to, and its classes (flows.py)
+    calls_out: dict[tuple[str, str], list[CallArgs]] = field(default_factory=dict)
+    classes: dict[ClassRef, ClassFacts] = field(default_factory=dict)
 
 
 def parse_module(relpath: str, data: bytes) -> ParsedModule | ScanProblem:
@@ -53,24 +69,54 @@ def parse_module(relpath: str, data: bytes) -> ParsedModule | ScanProblem:
     return ParsedModule(relpath, text, build_scopes(tree, relpath, walrus=":=" in text))
 
 
-def analyse_module(parsed: ParsedModule, context: Context) -> ModuleResult:
-    """The module's gates and exports; `parsed` can be analysed again later."""
+def analyse_module(
+    parsed: ParsedModule, context: Context, *, outgoing: bool = True
+) -> ModuleResult:
+    """The module's gates and exports, and (`outgoing`) what flows from it to
+    other modules; `parsed` can be analysed again later."""
     context.arch_index = ARCH_INDEX
     scopes = parsed.scopes
     imports = frozenset(_import_pairs(scopes))
     seeds = _imported_seeds(scopes, context)
-    hotness = parsed.hotness(seeds)
+    names, params = flow_seeds(scopes, context)
+    hotness = parsed.hotness(seeds | names, params)
     evaluators = [Evaluator(scopes, arch, context, hotness) for arch in ARCHS]
     text = DepText()
     gates = tuple(_gates(parsed, evaluators, hotness.lines, text))
     exports = _exports(parsed, evaluators, hotness.names, text)
+    calls_out: dict[tuple[str, str], list[CallArgs]] = {}
+    classes: dict[ClassRef, ClassFacts] = {}
+    if outgoing and context.modules:  # a tree: what other modules may take from this one
+        calls_out = outgoing_calls(scopes, evaluators, REFERENCE, hotness, context.modules)
+        classes = class_facts(scopes, evaluators, REFERENCE, hotness.lines, context.modules)
     unknown_helpers: set[str] = set()
     for ev in evaluators:
         unknown_helpers |= ev.unknown_helpers
         ev.dispose()
     return ModuleResult(
-        parsed.relpath, scopes.module, gates, exports, frozenset(unknown_helpers), imports
+        parsed.relpath,
+        scopes.module,
+        gates,
+        exports,
+        frozenset(unknown_helpers),
+        imports,
+        calls_out,
+        classes,
     )
+
+
+def module_calls(
+    parsed: ParsedModule, context: Context, targets: frozenset[tuple[str, str]]
+) -> dict[tuple[str, str], list[CallArgs]]:
+    """What this module's calls of `targets` (other modules' names) pass them."""
+    context.arch_index = ARCH_INDEX
+    hotness = parsed.hotness(_imported_seeds(parsed.scopes, context))
+    evaluators = [Evaluator(parsed.scopes, arch, context, hotness) for arch in ARCHS]
+    try:
+        return gather_calls(parsed.scopes, evaluators, hotness.finder.of, targets, context.modules)
+    finally:
+        for ev in evaluators:
+            ev.dispose()
 
 
 def module_exports(parsed: ParsedModule, context: Context) -> dict[str, Export]:

@@ -129,7 +129,14 @@ class Hotness:
     finder: Lines
 
 
-def hot_lines(text: str, scopes: ModuleScopes, names: Iterable[str] = ()) -> Hotness:
+def hot_lines(
+    text: str,
+    scopes: ModuleScopes,
+    names: Iterable[str] = (),
+    params: Iterable[tuple[str, str]] = (),
+) -> Hotness:
+    """`names`: seeds from other modules; `params`: (function, parameter) pairs
+    that calls from other modules pass something architectural."""
     lines = Lines(text)
     hot_names = set(_SEED_NAMES) | set(names)
     for match in _HELPERS.finditer(text):
@@ -161,7 +168,7 @@ def hot_lines(text: str, scopes: ModuleScopes, names: Iterable[str] = ()) -> Hot
     for name in hot_names:
         hot |= lines.of(name)
     flows: dict[int, frozenset[str]] = {}
-    params: set[tuple[str, str]] = set()
+    hot_params = set(params)
     for _ in range(_MAX_ROUNDS):
         ordered = sorted(hot)
         new: set[str] = set()
@@ -183,13 +190,13 @@ def hot_lines(text: str, scopes: ModuleScopes, names: Iterable[str] = ()) -> Hot
                 continue
             calls = [c for c, _ in scopes.calls_to(function, occurs) if c.lineno in hot]
             for binding in bindings:
-                if (function, binding.name) in params:
+                if (function, binding.name) in hot_params:
                     continue
                 fn = binding.node
                 for call in calls:
                     argument = argument_for(fn, binding, call)  # type: ignore[arg-type]
                     if argument is not None and flow_names(argument) & hot_names:
-                        params.add((function, binding.name))  # an argument is hot
+                        hot_params.add((function, binding.name))  # an argument is hot
                         if binding.name not in hot_names:
                             new.add(binding.name)
                         break
@@ -199,7 +206,7 @@ def hot_lines(text: str, scopes: ModuleScopes, names: Iterable[str] = ()) -> Hot
         hot_names |= new
         for name in new:
             hot |= lines.of(name)
-    return Hotness(frozenset(hot), frozenset(hot_names), frozenset(params), lines)
+    return Hotness(frozenset(hot), frozenset(hot_names), frozenset(hot_params), lines)
 
 
 def _touches(ordered: list[int], start: int, end: int) -> bool:

@@ -11,11 +11,11 @@ import ast
 
 from sm120fork.gates import semantics
 from sm120fork.gates.context import EvaluatorBase, merge
+from sm120fork.gates.flows import agree, external_arguments, inherited_attr
 from sm120fork.gates.scopes import Binding, Scope, argument_for
 from sm120fork.gates.values import (
     BoundMethod,
     BuiltinFn,
-    Dep,
     HelperFn,
     LocalFn,
     ModuleRef,
@@ -29,18 +29,6 @@ from sm120fork.gates.values import (
 )
 
 BUILTINS = frozenset(("int", "str", "float", "tuple", "bool", "min", "max", "abs", "len"))
-
-
-def _agree(vals: list[Val], name: str) -> Val:
-    """One value for a parameter from what every call passes."""
-    if not vals or not all(v.arch for v in vals):
-        return unknown((name,))
-    if all(concrete(v) for v in vals) and all(v.value == vals[0].value for v in vals):
-        return vals[0]
-    deps: set[Dep] = set()
-    for val in vals:
-        deps |= val.deps
-    return unknown(deps or (name,), arch=True, test=all(v.test for v in vals))
 
 
 class Names(EvaluatorBase):
@@ -141,7 +129,12 @@ class Names(EvaluatorBase):
         if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) or binding.scope is None:
             return unknown((binding.name,))
         hotness = self.hotness
-        if hotness is not None and (fn.name, binding.name) not in hotness.params:
+        external = external_arguments(self, binding)  # calls from other modules
+        if (
+            hotness is not None
+            and (fn.name, binding.name) not in hotness.params
+            and external is None
+        ):
             return unknown((binding.name,))  # no call passes it anything architectural
         key = id(binding)
         cached = self.memo.get(key)
@@ -155,10 +148,10 @@ class Names(EvaluatorBase):
             vals = [
                 self._argument(fn, binding, call, scope)
                 for call, scope in self.scopes.calls_to(fn.name, lines)
-            ]
+            ] + (external or [])
         finally:
             self.active.discard(key)
-        result = self.memo[key] = _agree(vals, binding.name)
+        result = self.memo[key] = agree(vals, binding.name)
         return result
 
     def _argument(
@@ -210,7 +203,10 @@ class Names(EvaluatorBase):
                     fn = val.value
                     return Val(LocalFn(fn.node, fn.scope, bound=True))
                 return val
-            return self.named_symbol(attr, method=True) or unknown((node,))
+            symbol = self.named_symbol(attr, method=True)
+            if symbol is None and scope.owner is not None:  # a base or a subclass assigns it
+                symbol = inherited_attr(self, scope.owner, attr, node)
+            return symbol or unknown((node,))
         base = self.eval(base_node, scope)
         value = base.value if base.known else None
         if isinstance(value, PlatformObj):

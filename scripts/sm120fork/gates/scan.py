@@ -1,18 +1,10 @@
 """Inventory a tree: `scan_tree(root) -> Inventory`.
 
-Two passes over the files, split between worker processes that keep their
-share of the files (and their syntax trees) in memory between the passes:
-
-1. read every file; a file containing none of the gate tokens
-   (`semantics.TOKENS`) cannot hold a gate and is not parsed. Parse the rest
-   and list what each exports: module-level names derived from the
-   architecture (`_device_sm`, `ENABLE_JIT_DEEPGEMM`, ...).
-2. with every module's exports known, also parse the files without tokens
-   that mention an exported public flag (they may import it), then find and
-   evaluate the gates of every parsed file.
-
-A file that cannot be parsed or analysed becomes a `ScanProblem`, never a
-crash.
+The files are split between worker processes that keep their share of the
+files (and their syntax trees) in memory across the passes of `passes`:
+exports, gates, the calls between modules, and the modules those reach. Here
+the parent merges what each pass found and hands it to the next. A file that
+cannot be parsed or analysed becomes a `ScanProblem`, never a crash.
 """
 
 from __future__ import annotations
@@ -22,25 +14,19 @@ import gc
 import multiprocessing
 import os
 import traceback
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from sm120fork.errors import FatalError
-from sm120fork.gates import semantics
-from sm120fork.gates.analyze import (
-    ModuleResult,
-    ParsedModule,
-    analyse_module,
-    importable,
-    module_exports,
-    parse_module,
-)
+from sm120fork.gates import passes
+from sm120fork.gates.analyze import ModuleResult, analyse_module, parse_module
 from sm120fork.gates.evaluate import Context
 from sm120fork.gates.model import Gate, Inventory, ScanProblem, assign_occurrences
+from sm120fork.gates.passes import Calls, Files, Share
 from sm120fork.gates.scopes import module_name
-from sm120fork.gates.values import ExportTable
+from sm120fork.gates.values import ClassFacts, ClassRef, ExportTable
 
 PACKAGE = Path("python") / "sglang"
 
@@ -69,93 +55,9 @@ def list_files(package: Path) -> list[tuple[str, str, int]]:
     return files
 
 
-@dataclass
-class _Share:
-    """One worker's files and what it found in them (lives in the worker)."""
-
-    data: dict[str, bytes] = field(default_factory=dict)
-    parsed: dict[str, ParsedModule] = field(default_factory=dict)
-    problems: list[ScanProblem] = field(default_factory=list)
-
-    def clear(self) -> None:
-        for parsed in self.parsed.values():
-            parsed.scopes.dispose()
-        self.data.clear()
-        self.parsed.clear()
-        self.problems.clear()
-
-    def parse(self, relpath: str) -> ParsedModule | None:
-        parsed = self.parsed.get(relpath)
-        if parsed is None:
-            result = parse_module(relpath, self.data[relpath])
-            if isinstance(result, ScanProblem):
-                self.problems.append(result)
-                return None
-            parsed = self.parsed[relpath] = result
-        return parsed
-
-
-def _failed(relpath: str, error: Exception) -> ScanProblem:
-    # An analysis bug must not hide the other modules' gates.
-    return ScanProblem(relpath, f"cannot analyse: {type(error).__name__}: {error}")
-
-
-def _pass_one(
-    files: list[tuple[str, str]], modules: frozenset[str], share: _Share
-) -> tuple[ExportTable, list[ScanProblem]]:
-    """Read the share; parse every file holding a gate token; list its exports."""
-    share.clear()
-    context = Context(modules=modules)
-    tokens = semantics.TOKENS
-    exports: ExportTable = {}
-    for relpath, full in files:
-        try:
-            with open(full, "rb") as handle:
-                data = handle.read()
-        except OSError as error:
-            share.problems.append(ScanProblem(relpath, f"cannot read: {error}"))
-            continue
-        share.data[relpath] = data
-        if not any(token in data for token in tokens):
-            continue
-        parsed = share.parse(relpath)
-        if parsed is None:
-            continue
-        try:
-            table = module_exports(parsed, context)
-        except Exception as error:
-            share.problems.append(_failed(relpath, error))
-            continue
-        exports.update(((parsed.scopes.module, name), e) for name, e in table.items())
-    return exports, list(share.problems)
-
-
-def _pass_two(context: Context, share: _Share) -> tuple[list[ModuleResult], list[ScanProblem]]:
-    """Knowing every module's exports, find the gates: in the files parsed in
-    pass one, and in files without gate tokens that mention an importable
-    public flag (they may import it)."""
-    names = sorted(
-        {
-            name.encode()
-            for (_, name), export in context.exports.items()
-            if not name.startswith("_") and importable(name, export)
-        }
-    )
-    for relpath, data in share.data.items():
-        if relpath not in share.parsed and any(name in data for name in names):
-            share.parse(relpath)
-    results = []
-    for relpath, parsed in share.parsed.items():
-        try:
-            results.append(analyse_module(parsed, context))
-        except Exception as error:
-            share.problems.append(_failed(relpath, error))
-    return results, list(share.problems)  # pass one's problems included
-
-
-def _split(files: list[tuple[str, str, int]], parts: int) -> list[list[tuple[str, str]]]:
+def _split(files: list[tuple[str, str, int]], parts: int) -> list[Files]:
     """Deal files out by size so each share holds about as many bytes."""
-    shares: list[list[tuple[str, str]]] = [[] for _ in range(parts)]
+    shares: list[Files] = [[] for _ in range(parts)]
     loads = [0] * parts
     for rel, full, size in sorted(files, key=lambda f: -f[2]):
         i = loads.index(min(loads))
@@ -211,37 +113,117 @@ def scan_source(text: str, relpath: str = "python/sglang/module.py") -> tuple[Ga
     return assign_occurrences(list(analyse_module(parsed, Context()).gates))
 
 
-def _context(exports: ExportTable, modules: frozenset[str]) -> Context:
+def _context(exports: ExportTable, modules: frozenset[str], **flows: Any) -> Context:
     by_name: dict[str, list[str]] = {}
     for module, name in exports:
         by_name.setdefault(name, []).append(module)
-    return Context(exports=exports, modules=modules, by_name=by_name)
+    return Context(exports=exports, modules=modules, by_name=by_name, **flows)
 
 
-def _serial(
-    files: list[tuple[str, str]], modules: frozenset[str]
+# A pass by name: (its argument, the share) -> its reply.
+PASSES: dict[str, Callable[[Any, Share], Any]] = {
+    "exports": lambda argument, share: passes.exports(argument[0], argument[1], share),
+    "gates": passes.gates,
+    "calls": passes.calls,
+    "again": passes.again,
+}
+# Runs one pass on every share: the pass's name, one argument per share -> the replies.
+Run = Callable[[str, list[Any]], list[Any]]
+
+
+def _scan(
+    run: Run, shares: list[Files], modules: frozenset[str]
 ) -> tuple[list[ModuleResult], list[ScanProblem]]:
-    share = _Share()
-    exports, _ = _pass_one(files, modules, share)
-    results, problems = _pass_two(_context(exports, modules), share)
-    share.clear()  # break the syntax trees' reference cycles now
-    return results, problems
+    """The passes in order, each with what the one before found in every share."""
+    each = len(shares)
+    exports: ExportTable = {}
+    for table, _ in run("exports", [(files, modules) for files in shares]):
+        exports.update(table)  # problems come back with pass two
+    results: dict[str, ModuleResult] = {}
+    problems: list[ScanProblem] = []
+    _collect(run("gates", [_context(exports, modules)] * each), results, problems)
+    seen: Calls = {}  # the calls pass two saw: those with an architecture argument
+    classes: dict[ClassRef, ClassFacts] = {}
+    for result in results.values():
+        for target, records in result.calls_out.items():
+            seen.setdefault(target, []).extend(records)
+        classes.update(result.classes)
+    if not seen and not any(facts.attrs for facts in classes.values()):
+        return list(results.values()), problems
+    flowing = _context(exports, modules, calls=seen, classes=classes)
+    changed: dict[str, ModuleResult] = {}
+    for found, more in run("again", [(flowing, None)] * each):
+        changed.update((r.relpath, r) for r in found if _differs(r, results.get(r.relpath)))
+        problems += more
+    before = dict(results)
+    results.update(changed)
+    # A parameter is architectural only if every call says so: find them all
+    # for the functions (and classes) whose gates the calls seen so far changed.
+    reached = {(r.module, fn) for r in changed.values() for fn in _changed_functions(r, before)}
+    targets = frozenset(
+        (module, name)
+        for module, name in seen
+        if any(m == module and (fn == name or fn.startswith(name + ".")) for m, fn in reached)
+    )
+    if targets:
+        calls: Calls = {}
+        for found in run("calls", [targets] * each):
+            for target, records in found.items():
+                calls.setdefault(target, []).extend(records)
+        complete = _context(exports, modules, calls={**seen, **calls}, classes=classes)
+        only = frozenset(t[0] for t in targets)
+        _collect(run("again", [(complete, only)] * each), results, problems)
+    return list(results.values()), problems
+
+
+def _differs(result: ModuleResult, before: ModuleResult | None) -> bool:
+    return before is None or result.gates != before.gates
+
+
+def _changed_functions(result: ModuleResult, before: dict[str, ModuleResult]) -> set[str]:
+    """Functions of `result` with a gate that is new or evaluates differently."""
+    old = before.get(result.relpath)
+    known = {(g.function, g.condition, tuple(g.archs.items())) for g in old.gates} if old else set()
+    return {
+        g.function
+        for g in result.gates
+        if (g.function, g.condition, tuple(g.archs.items())) not in known
+    }
+
+
+def _collect(
+    replies: Iterable[tuple[list[ModuleResult], list[ScanProblem]]],
+    results: dict[str, ModuleResult],
+    problems: list[ScanProblem],
+) -> None:
+    for found, more in replies:
+        results.update((result.relpath, result) for result in found)  # a later pass wins
+        problems += more
+
+
+def _serial(files: Files, modules: frozenset[str]) -> tuple[list[ModuleResult], list[ScanProblem]]:
+    share = Share()
+
+    def run(name: str, arguments: list[Any]) -> list[Any]:
+        return [PASSES[name](arguments[0], share)]
+
+    try:
+        return _scan(run, [files], modules)
+    finally:
+        share.clear()  # break the syntax trees' reference cycles now
 
 
 def _worker(connection: Connection) -> None:
     """A worker process: runs the passes on its share until told to stop."""
     gc.disable()  # long-lived syntax trees, no garbage worth collecting
-    share = _Share()
+    share = Share()
     while True:
         message = connection.recv()
         if message is None:
             connection.close()
             os._exit(0)  # nothing to flush; freeing every syntax tree would only cost time
         try:
-            if message[0] == "one":
-                reply: object = _pass_one(message[1], message[2], share)
-            else:
-                reply = _pass_two(message[1], share)
+            reply = PASSES[message[0]](message[1], share)
         except BaseException:  # a bug: hand the traceback to the parent
             connection.send(("error", traceback.format_exc()))
             continue
@@ -256,14 +238,20 @@ def _receive(connection: Connection) -> Any:
 
 
 def _parallel(
-    shares: list[list[tuple[str, str]]], modules: frozenset[str]
+    shares: list[Files], modules: frozenset[str]
 ) -> tuple[list[ModuleResult], list[ScanProblem]]:
     forking = "fork" in multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork") if forking else multiprocessing.get_context("spawn")
-    # One process per share: the second pass must reach the process that
-    # holds the share's files (and syntax trees) from the first.
+    # One process per share: a later pass must reach the process that holds
+    # the share's files (and syntax trees) from the first.
     connections: list[Connection] = []
     processes = []
+
+    def run(name: str, arguments: list[Any]) -> list[Any]:
+        for connection, argument in zip(connections, arguments, strict=True):
+            connection.send((name, argument))
+        return [_receive(connection) for connection in connections]
+
     try:
         for _ in shares:
             parent, child = ctx.Pipe()
@@ -272,21 +260,7 @@ def _parallel(
             child.close()
             connections.append(parent)
             processes.append(process)
-        for connection, share in zip(connections, shares, strict=True):
-            connection.send(("one", share, modules))
-        exports: ExportTable = {}
-        for connection in connections:
-            table, _ = _receive(connection)  # problems come back with pass two
-            exports.update(table)
-        context = _context(exports, modules)
-        for connection in connections:
-            connection.send(("two", context))
-        results: list[ModuleResult] = []
-        problems: list[ScanProblem] = []
-        for connection in connections:
-            found, more = _receive(connection)
-            results += found
-            problems += more
+        return _scan(run, shares, modules)
     finally:
         for connection in connections:
             with contextlib.suppress(OSError):
@@ -296,4 +270,3 @@ def _parallel(
             process.join(timeout=5)
             if process.is_alive():
                 process.kill()
-    return results, problems

@@ -16,6 +16,7 @@ import ast
 import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 Pos = tuple[int, int]
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
@@ -56,6 +57,8 @@ class ModuleScopes:
     _calls: dict[str, list[tuple[ast.Call, Scope]]] | None = None
     rebound: set[str] = field(default_factory=set)  # names some function declares `global`
     _calls_of: dict[str, list[tuple[ast.Call, Scope]]] = field(default_factory=dict)
+    _classes: dict[str, Scope] | None = None
+    memo: dict[str, Any] = field(default_factory=dict)  # derived facts, the same on every arch
 
     def lookup(self, name: str, scope: Scope, pos: Pos) -> list[Binding]:
         """Candidate bindings of `name` used at `pos` in `scope`, best first.
@@ -103,7 +106,7 @@ class ModuleScopes:
                 cached = self._calls_of[name] = [
                     (node, scope)
                     for line in sorted(lines)
-                    for node, scope in self._calls_on_line(line)
+                    for node, scope in self.calls_on_line(line)
                     if _callee(node) == name
                 ]
             return cached
@@ -117,8 +120,12 @@ class ModuleScopes:
                             self._calls.setdefault(callee, []).append((node, scope))
         return self._calls.get(name, [])
 
-    def _calls_on_line(self, line: int) -> list[tuple[ast.Call, Scope]]:
+    def calls_on_line(self, line: int) -> list[tuple[ast.Call, Scope]]:
         """The calls starting on `line`, found by descending to the statement there."""
+        return [(call, scope) for call, scope in self.statement_calls(line) if call.lineno == line]
+
+    def statement_calls(self, line: int) -> list[tuple[ast.Call, Scope]]:
+        """The calls of the innermost statement spanning `line` (not of statements nested in it)."""
         scope = self.root
         body: list[ast.stmt] = self.root.node.body  # type: ignore[attr-defined]
         while True:
@@ -131,11 +138,13 @@ class ModuleScopes:
             if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
                 scope = self.of_node.get(id(stmt), scope)
             body = inner[0]
-        calls = []
-        for node in _header_nodes(stmt):
-            if isinstance(node, ast.Call) and node.lineno == line:
-                calls.append((node, scope))
-        return calls
+        return [(node, scope) for node in _header_nodes(stmt) if isinstance(node, ast.Call)]
+
+    def classes(self) -> dict[str, Scope]:
+        """Every class of the module by qualified name."""
+        if self._classes is None:
+            self._classes = {s.qualname: s for s in self.of_node.values() if s.kind == "class"}
+        return self._classes
 
     def imports(self) -> list[Binding]:
         """Every import binding of the module, in any scope."""
@@ -154,6 +163,8 @@ class ModuleScopes:
         self.of_node.clear()
         self._calls = None
         self._calls_of.clear()
+        self._classes = None
+        self.memo.clear()
 
 
 def argument_for(fn: FunctionNode, binding: Binding, call: ast.Call) -> ast.expr | None:

@@ -124,6 +124,21 @@ class Export:
 # (module, name) -> Export
 ExportTable = dict[tuple[str, str], Export]
 
+# A class of the tree: (module, qualified name).
+ClassRef = tuple[str, str]
+# What one call passes: (slot, the value per ARCHS index); the slot is the
+# position ("0", "1", ...) or the keyword; "*" / "**" stand for unpacked arguments.
+CallArgs = tuple[tuple[str, tuple[Val, ...]], ...]
+
+
+@dataclass(frozen=True)
+class ClassFacts:
+    """A class as its own module saw it: for the classes related to it elsewhere."""
+
+    bases: tuple[ClassRef, ...]  # its bases that are classes of the tree
+    sets: frozenset[str]  # the attributes it assigns (self.x = ..., class-level names)
+    attrs: dict[str, Export] = field(default_factory=dict)  # those derived from the architecture
+
 
 @dataclass
 class DepText:

@@ -354,3 +354,113 @@ def run_probe(name: str, server_args: Any) -> Observation:
         return {**dict.fromkeys(fields, why), f"probe.{name}": why}
     except Exception as exc:
         return {**{field: describe(exc) for field in fields}, f"probe.{name}": describe(exc)}
+
+
+# --------------------------------------------------------------------------- issue 13: LoRA, V4.1
+# (appended; registered into PROBES below)
+
+MOE_LORA_CUTEDSL = ("sglang.kernels.ops.lora.moe.cutedsl.api",)
+V41_INDEXER = ("sglang.srt.layers.attention.dsv4.v41_indexer",)
+JIT_DEEPGEMM_OFF = "v41_indexer[SGLANG_ENABLE_JIT_DEEPGEMM=0]"
+
+
+def probe_moe_lora_cutedsl(_: Any) -> Observation:
+    """The MoE-LoRA CuTe DSL base GEMM's kernel class for this device (no compile)."""
+    _, api = _first_module(MOE_LORA_CUTEDSL, "_bf16_kernel_class_for")
+    device = _import("torch").device("cuda", 0)
+    obs: Observation = {}
+    for dtype in ("bf16", "fp8"):
+        pick = getattr(api, f"_{dtype}_kernel_class_for", None)
+        field = f"lora_moe_cutedsl.{dtype}_kernel_class"
+        if pick is None:
+            obs[field] = f"{UNAVAILABLE}no _{dtype}_kernel_class_for"
+            continue
+        try:
+            obs[field] = getattr(pick(device), "__name__", str(pick))
+        except Exception as exc:
+            obs[field] = describe(exc)
+    return obs
+
+
+def probe_check_server_args(server_args: Any) -> Observation:
+    """The launch-time validation (engine.py calls it after resolution, before
+    publishing the args): where the LoRA flags are checked and resolved."""
+    check = getattr(server_args, "check_server_args", None)
+    if not callable(check):
+        raise Unavailable("ServerArgs has no check_server_args()")
+    check()
+    return {"server_args.check_server_args": "ok"}
+
+
+def _clear_caches(module: Any) -> None:
+    """Let the module's functools.cache'd probes read the state afresh."""
+    for value in vars(module).values():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+def _v41_choices(v41: Any, prefix: str, *, candidates: bool) -> Observation:
+    """What the V4.1 index layers' factories decide (no tensors are touched)."""
+    _clear_caches(v41)
+    full = v41.make_full_topk_indexer(token_to_kv_pool=None, req_to_token=None)
+    obs: Observation = {
+        f"{prefix}.use_deep_gemm_prefill": plain(full.use_deep_gemm_prefill),
+        f"{prefix}.use_deep_gemm_decode": plain(full.use_deep_gemm_decode),
+    }
+    if candidates:
+        try:
+            prefill, decode = v41.make_candidate_indexer(
+                token_to_kv_pool=None,
+                req_to_token=None,
+                page_size=64,
+                candidate_topk_blocks=8,
+                candidate_block_size=8,
+            )
+            obs[f"{prefix}.candidates"] = f"{type(prefill).__name__}/{type(decode).__name__}"
+        except Exception as exc:
+            obs[f"{prefix}.candidates"] = describe(exc)
+    return obs
+
+
+def probe_v41_indexer(_: Any) -> Observation:
+    """The DeepSeek V4.1 indexer's DeepGEMM choices: as the installed DeepGEMM allows,
+    and with the DeepGEMM configurer turned off (SGLANG_ENABLE_JIT_DEEPGEMM=0, the
+    same answer a DeepGEMM build without SM120 kernels gets on SM12x)."""
+    v41_name, v41 = _first_module(V41_INDEXER, "make_full_topk_indexer")
+    name, configurer = _first_module(DEEP_GEMM, "ENABLE_JIT_DEEPGEMM")
+    for lazy in ("dense_blocks", "sparse_table"):  # imported before the flags change
+        if module_exists(f"{v41_name}.{lazy}"):
+            _import(f"{v41_name}.{lazy}")
+    os = _import("os")
+    obs = _v41_choices(v41, "v41_indexer", candidates=False)
+    before = os.environ.get("SGLANG_ENABLE_JIT_DEEPGEMM")
+    os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = "0"
+    try:
+        off = importlib.reload(configurer)
+        obs[f"{JIT_DEEPGEMM_OFF}.ENABLE_JIT_DEEPGEMM"] = plain(off.ENABLE_JIT_DEEPGEMM)
+        obs.update(_v41_choices(v41, JIT_DEEPGEMM_OFF, candidates=True))
+    finally:
+        if before is None:
+            os.environ.pop("SGLANG_ENABLE_JIT_DEEPGEMM", None)
+        else:
+            os.environ["SGLANG_ENABLE_JIT_DEEPGEMM"] = before
+        importlib.reload(_import(name))
+        _clear_caches(v41)
+    return obs
+
+
+PROBES["check_server_args"] = (probe_check_server_args, ("server_args.check_server_args",))
+PROBES["moe_lora_cutedsl"] = (
+    probe_moe_lora_cutedsl,
+    ("lora_moe_cutedsl.bf16_kernel_class", "lora_moe_cutedsl.fp8_kernel_class"),
+)
+PROBES["v41_indexer"] = (
+    probe_v41_indexer,
+    (
+        "v41_indexer.use_deep_gemm_prefill",
+        "v41_indexer.use_deep_gemm_decode",
+        f"{JIT_DEEPGEMM_OFF}.use_deep_gemm_prefill",
+        f"{JIT_DEEPGEMM_OFF}.use_deep_gemm_decode",
+        f"{JIT_DEEPGEMM_OFF}.candidates",
+    ),
+)
