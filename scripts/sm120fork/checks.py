@@ -35,11 +35,15 @@ class Finding:
         return f"{self.where}:{self.line}: {self.message}"
 
 
-def check_repository(paths: RepoPaths) -> list[Finding]:
+def check_repository(paths: RepoPaths, *, verify_tree: bool = True) -> list[Finding]:
+    """Every finding; `verify_tree=False` for a partial vendor tree (the review's HEAD
+    holds only the files the series touches), whose check is the series alone."""
     if not paths.upstream_tree.is_dir():
         raise FatalError(f"{paths.upstream_tree} does not exist; run `sm120fork import VERSION`")
     # The tree first: every later finding is about patches against it.
-    findings = [Finding(p.where, 0, p.message) for p in pristine.problems(paths)]
+    findings = (
+        [Finding(p.where, 0, p.message) for p in pristine.problems(paths)] if verify_tree else []
+    )
     series = read_series(paths.series_file)
     findings += _series_findings(paths, series)
     patches = _load_patches(paths, series, findings)
