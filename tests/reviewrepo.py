@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hermetic
 from forkrepo import edit, make_patch, write_tree
-from sm120fork import cli, gitcmd, lock
+from sm120fork import cli, lock
 
 OLMO2 = "python/sglang/srt/arg_groups/olmo2.py"
 MOE = "python/sglang/srt/layers/moe.py"
@@ -161,7 +162,9 @@ class ReviewRepo:
     root: Path
 
     def git(self, *args: str) -> str:
-        return gitcmd.output(list(args), self.root)
+        """Git in the fixture repository, under the test seal (the tool's own git
+        drops GIT_* variables, the seal's identities included)."""
+        return hermetic.git(*args, cwd=self.root).stdout.rstrip("\n")
 
     def write(self, files: Mapping[str, str | None]) -> None:
         """Write (or, for None, delete) files given by their path in the repository."""

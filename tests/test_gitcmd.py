@@ -1,25 +1,25 @@
-"""The git boundary (GitPython underneath) and the diff records (python-unidiff underneath)."""
+"""The git boundary (subprocess; GitPython for the blob reader) and the diff records (unidiff)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from hermetic import git
 from sm120fork import gitcmd
 from sm120fork.diffs import DiffError, git_hunks, parse_diff
 from sm120fork.errors import FatalError
 
 
 @pytest.fixture
-def repo(tmp_path: Path, git_env: dict[str, str]) -> Path:
-    del git_env  # git without the user's config
+def repo(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     root.mkdir()
-    gitcmd.run(["init", "-q", "."], root)
+    git("init", "-q", ".", cwd=root)  # fixtures under the test seal (tests/hermetic.py)
     (root / "a b.py").write_text("one\n")
     (root / "two.py").write_text("two\n")
-    gitcmd.run(["add", "-A", "."], root)
-    gitcmd.run(["commit", "-q", "-m", "first"], root)
+    git("add", "-A", ".", cwd=root)
+    git("commit", "-q", "-m", "first", cwd=root)
     return root
 
 
