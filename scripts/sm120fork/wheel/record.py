@@ -12,8 +12,6 @@ from typing import NamedTuple
 from sm120fork.errors import FatalError
 
 _HASHES = frozenset({"sha256", "sha384", "sha512"})
-# Members RECORD lists without a hash: itself and its signatures.
-UNHASHED_SUFFIXES = ("/RECORD", "/RECORD.jws", "/RECORD.p7s")
 
 
 class Row(NamedTuple):
