@@ -123,7 +123,7 @@ def growth_table(results: Sequence[dict[str, Any]]) -> str:
 
 def synthetic_repo(root: Path, size: int) -> Path:
     """A fork repo whose series is `size` one-line patches on different real files."""
-    from sm120fork.normalform import DiffRenderer
+    from sm120fork.patches.normalform import DiffRenderer
 
     root.mkdir(parents=True)
     (root / "vendor").symlink_to(VENDOR, target_is_directory=True)

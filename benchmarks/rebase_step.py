@@ -39,9 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from sm120fork import gitcmd, lock  # noqa: E402
-from sm120fork.series import read_series  # noqa: E402
-from sm120fork.upstream import fetch_release  # noqa: E402
+from sm120fork import gitcmd  # noqa: E402
+from sm120fork.patches.series import read_series  # noqa: E402
+from sm120fork.upstream import fetch_release, lock  # noqa: E402
 
 IDENTITY = {
     "GIT_AUTHOR_NAME": "bench",

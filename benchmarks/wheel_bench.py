@@ -49,7 +49,7 @@ def make_repo(root: Path) -> tuple[Path, str]:
     """A repo to build from: the project's inputs, or a stand-in series on 0.5.9."""
     sys.path[:0] = [str(PROJECT / "scripts"), str(PROJECT / "tests")]
     from forkrepo import edit, make_patch, write_manifest
-    from sm120fork import lock as lockfile
+    from sm120fork.upstream import lock as lockfile
 
     shutil.copytree(PROJECT / "vendor" / "sglang", root / "vendor" / "sglang")
     if (PROJECT / "vendor" / "sglang.lock").is_file() and (PROJECT / "CHANGELOG.md").is_file():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hermetic import git
 from hermetic import output as git_output
-from sm120fork import manifest
+from sm120fork.upstream import manifest
 
 HEADER = """\
 From: Test Maintainer <test@example.com>

@@ -12,7 +12,8 @@ from typing import Any
 
 import hermetic
 from forkrepo import edit, make_patch, write_tree
-from sm120fork import cli, lock
+from sm120fork import cli
+from sm120fork.upstream import lock
 
 OLMO2 = "python/sglang/srt/arg_groups/olmo2.py"
 MOE = "python/sglang/srt/layers/moe.py"

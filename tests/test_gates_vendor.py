@@ -12,8 +12,8 @@ from sm120fork.cli import main
 from sm120fork.errors import EXIT_OK
 from sm120fork.gates import Inventory, diff_inventories, load_policy, review_tree, scan_tree
 from sm120fork.gates.policy import unmatched_added
+from sm120fork.patches.stack import apply_stack, load_stack
 from sm120fork.paths import RepoPaths
-from sm120fork.stack import apply_stack, load_stack
 from test_gates_support import answers
 
 REPO = Path(__file__).resolve().parents[1]

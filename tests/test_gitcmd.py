@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from hermetic import git
 from sm120fork import gitcmd
-from sm120fork.diffs import DiffError, git_hunks, parse_diff
 from sm120fork.errors import FatalError
+from sm120fork.patches.diffs import DiffError, git_hunks, parse_diff
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sm120fork import lock
 from sm120fork.errors import FatalError
+from sm120fork.upstream import lock
 
 SHA_A, SHA_B = "a" * 64, "b" * 64
 

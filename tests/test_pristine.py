@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from conftest import MakeUpstreamRepo
 from forkrepo import BASE_FILES, make_fork
-from sm120fork import manifest
 from sm120fork.cli import main
 from sm120fork.errors import FatalError
+from sm120fork.upstream import manifest
 
 SA = "python/sglang/srt/server_args.py"
 UT = "python/sglang/srt/utils.py"

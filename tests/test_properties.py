@@ -10,13 +10,13 @@ import contextlib
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sm120fork import dep3
-from sm120fork.applier import apply_file
-from sm120fork.diffs import parse_diff
 from sm120fork.errors import FatalError
-from sm120fork.normalform import DiffRenderer, render_patch
-from sm120fork.patchfile import parse_patch
-from sm120fork.series import parse_series
+from sm120fork.patches import dep3
+from sm120fork.patches.applier import apply_file
+from sm120fork.patches.diffs import parse_diff
+from sm120fork.patches.normalform import DiffRenderer, render_patch
+from sm120fork.patches.patchfile import parse_patch
+from sm120fork.patches.series import parse_series
 
 names = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,20}\.patch", fullmatch=True)
 comments = st.from_regex(r"#[^\n\r]{0,30}", fullmatch=True)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 from rebasefork import BASE, COMM, DATE, SA, UT, edited, make_rebase_fork, shifted
-from sm120fork import lock, manifest
 from sm120fork.cli import main
 from sm120fork.forkversion import read_fork_version
-from sm120fork.patchfile import load_patch
+from sm120fork.patches.patchfile import load_patch
+from sm120fork.upstream import lock, manifest
 
 # 0.5.10 of the "every status" scenario: five lines on top of server_args.py,
 # a change two lines below patch 3's, and the changes of patches 4 and 5.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 from rebasefork import BASE, COMM, SA, UT, RebaseFork, edited, make_rebase_fork, shifted
-from sm120fork import lock
 from sm120fork.cli import main
+from sm120fork.upstream import lock
 
 AFTER = edited(
     {**BASE, SA: shifted(BASE[SA])},

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from hermetic import git
 from rebasefork import SCRIPTS, RebaseFork
-from sm120fork import lock
-from sm120fork.patchfile import parse_patch
-from sm120fork.series import read_series
+from sm120fork.patches.patchfile import parse_patch
+from sm120fork.patches.series import read_series
+from sm120fork.upstream import lock
 
 PROJECT = SCRIPTS.parent
 SHIFT = "# Upstream's next release adds a header here.\n" * 3

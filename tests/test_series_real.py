@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from hermetic import git as sealed_git
+from sm120fork.patches.series import read_series
 from sm120fork.paths import RepoPaths
-from sm120fork.series import read_series
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = RepoPaths(ROOT)

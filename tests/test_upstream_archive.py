@@ -11,8 +11,8 @@ from pathlib import Path
 import conftest
 import pytest
 from conftest import record_line
-from sm120fork.archive import extract_wheel_package, is_text, read_sdist_license
 from sm120fork.errors import FatalError
+from sm120fork.upstream.archive import extract_wheel_package, is_text, read_sdist_license
 
 DIST = "sglang-0.5.9.dist-info"
 GOOD: dict[str, bytes] = {

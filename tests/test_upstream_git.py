@@ -8,8 +8,8 @@ import pytest
 from conftest import UPSTREAM_LICENSE, MakeUpstreamRepo, snapshot
 from hermetic import git
 from hermetic import output as git_output
-from sm120fork import lock
 from sm120fork.cli import main
+from sm120fork.upstream import lock
 
 V059: dict[str, str | bytes | None] = {
     "python/sglang/__init__.py": "__version__ = '0.5.9'\n",
@@ -152,7 +152,7 @@ def test_unreachable_remote_is_a_one_line_error(
 
 
 def test_credentials_are_not_written_into_the_lock() -> None:
-    from sm120fork.upstream_git import public_url
+    from sm120fork.upstream.git import public_url
 
     assert public_url("https://user:token@example.com/a/b.git") == "https://example.com/a/b.git"
     assert public_url("git@example.com:a/b.git") == "git@example.com:a/b.git"

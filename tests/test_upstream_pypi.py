@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 from conftest import make_sdist, make_wheel, snapshot
-from sm120fork import lock, upstream_pypi
 from sm120fork.cli import main
 from sm120fork.errors import FatalError
-from sm120fork.upstream import available_versions, download_locked_wheel, fetch_release
+from sm120fork.upstream import available_versions, download_locked_wheel, fetch_release, lock
+from sm120fork.upstream import pypi as upstream_pypi
 
 pytestmark = pytest.mark.slow  # each import runs pip three or four times
 
@@ -244,7 +244,7 @@ def test_real_index_0_5_9(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.network
 def test_real_index_versions() -> None:
     from sm120fork.upstream import resolve_version
-    from sm120fork.upstream_pypi import available_versions
+    from sm120fork.upstream.pypi import available_versions
 
     available = available_versions()
     assert resolve_version("0.5.10.post1", available) == "0.5.10.post1"
@@ -286,7 +286,7 @@ def test_late_upload_is_accepted_but_unlisted_files_are_not(
     assert locked.artifact(late) == lock.Artifact(late, sha(b"late upload"), None)
 
     # Without the index's list nothing vouches for a file the lock lacks.
-    from sm120fork import upstream_index
+    from sm120fork.upstream import index as upstream_index
 
     monkeypatch.setattr(upstream_index, "project_files", lambda: None)
     pinned = dataclasses.replace(locked, artifacts=(locked.artifact(SDIST),))  # type: ignore[arg-type]

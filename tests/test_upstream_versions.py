@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from sm120fork.errors import FatalError
-from sm120fork.upstream_index import file_version
-from sm120fork.upstream_pypi import fallback_wheel, target_options
-from sm120fork.upstream_versions import nearest_releases, resolve_version
+from sm120fork.upstream.index import file_version
+from sm120fork.upstream.pypi import fallback_wheel, target_options
+from sm120fork.upstream.versions import nearest_releases, resolve_version
 
 AVAILABLE = [
     "0.5.23", "0.5.11", "0.5.10.post1", "0.5.10", "0.5.10rc0", "0.5.9",

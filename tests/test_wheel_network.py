@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from forkrepo import edit, make_patch
-from sm120fork import lock as lockfile
 from sm120fork.cli import main
+from sm120fork.upstream import lock as lockfile
 from wheelrepo import make_venv, pip_into, site_packages, snapshot, verify_record
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forkrepo import make_fork
-from sm120fork import lock as lockfile
+from sm120fork.upstream import lock as lockfile
 
 VERSION = "0.5.9"
 FORK = "0.5.9+sm120.1"

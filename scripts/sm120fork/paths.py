@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sm120fork.errors import FatalError
-from sm120fork.manifest import FILE_NAME
+from sm120fork.upstream.manifest import FILE_NAME
 
 # Either marks a fork checkout: a new fork has its series before its first import.
 _MARKERS = ("patches/series", "vendor/sglang.lock")
@@ -31,7 +31,7 @@ class RepoPaths:
 
     @property
     def manifest_file(self) -> Path:
-        """The sha256 of every file of the pristine tree (see manifest.py)."""
+        """The sha256 of every file of the pristine tree (see upstream/manifest.py)."""
         return self.vendor_dir / FILE_NAME
 
     @property

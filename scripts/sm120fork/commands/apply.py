@@ -11,10 +11,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sm120fork import pristine
 from sm120fork.errors import EXIT_OK, FatalError
+from sm120fork.patches.stack import apply_stack, load_stack, write_applied
 from sm120fork.paths import RepoPaths
-from sm120fork.stack import apply_stack, load_stack, write_applied
+from sm120fork.upstream import pristine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

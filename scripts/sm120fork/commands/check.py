@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sm120fork import manifest
-from sm120fork.checks import check_repository
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK
+from sm120fork.patches.checks import check_repository
 from sm120fork.paths import RepoPaths
+from sm120fork.upstream import manifest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

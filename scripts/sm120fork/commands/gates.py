@@ -17,9 +17,9 @@ from sm120fork.gates.diff import GateDiff
 from sm120fork.gates.model import OPEN, Gate, Inventory
 from sm120fork.gates.policy import Policy, load_policy, missing_patches, unmatched_added
 from sm120fork.gates.report import needs_attention, summary
+from sm120fork.patches.series import read_series
+from sm120fork.patches.stack import apply_stack, load_stack
 from sm120fork.paths import RepoPaths
-from sm120fork.series import read_series
-from sm120fork.stack import apply_stack, load_stack
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

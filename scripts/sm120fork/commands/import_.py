@@ -14,10 +14,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sm120fork import lock, manifest
 from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.paths import RepoPaths
-from sm120fork.upstream import SPEC_HELP, fetch_release
+from sm120fork.upstream import SPEC_HELP, fetch_release, lock, manifest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

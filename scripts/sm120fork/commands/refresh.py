@@ -6,8 +6,8 @@ import argparse
 
 from sm120fork.errors import EXIT_OK
 from sm120fork.fsutil import atomic_write_many
+from sm120fork.patches.stack import load_stack, refresh_stack
 from sm120fork.paths import RepoPaths
-from sm120fork.stack import load_stack, refresh_stack
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 
-from sm120fork.applier import ApplyError, Overlay, PatchResult, apply_patch
-from sm120fork.diffs import FileDiff, Hunk, HunkLine
 from sm120fork.intent.model import Intent
 from sm120fork.intent.reapply import Reapplied, reapply
-from sm120fork.normalform import DiffRenderer, render_patch
-from sm120fork.patchfile import PatchFile, parse_patch
+from sm120fork.patches.applier import ApplyError, Overlay, PatchResult, apply_patch
+from sm120fork.patches.diffs import FileDiff, Hunk, HunkLine
+from sm120fork.patches.normalform import DiffRenderer, render_patch
+from sm120fork.patches.patchfile import PatchFile, parse_patch
 from sm120fork.rebase import cosmetic
 from sm120fork.rebase.conflicts import describe
 from sm120fork.rebase.names import broken_lines

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from sm120fork import lock
-from sm120fork.lines import split_lines
+from sm120fork.patches.lines import split_lines
 from sm120fork.rebase import gatefindings
 from sm120fork.rebase.ledger import first_break
 from sm120fork.rebase.state import PatchState, RebaseState, StepResult
+from sm120fork.upstream import lock
 
 TITLE = "# Changelog\n"
 _FATE = {

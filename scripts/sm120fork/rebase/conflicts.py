@@ -20,10 +20,10 @@ import ast
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from sm120fork.diffs import git_hunks
 from sm120fork.gates.semantics import TOKENS
-from sm120fork.lines import split_lines
-from sm120fork.patchfile import PatchFile
+from sm120fork.patches.diffs import git_hunks
+from sm120fork.patches.lines import split_lines
+from sm120fork.patches.patchfile import PatchFile
 from sm120fork.rebase.state import Conflict
 from sm120fork.rebase.workrepo import WorkRepo
 

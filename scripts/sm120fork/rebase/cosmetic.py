@@ -40,7 +40,7 @@ import re
 import textwrap
 import tokenize
 
-from sm120fork.lines import split_lines
+from sm120fork.patches.lines import split_lines
 from sm120fork.rebase.conflicts import segments
 
 REWORDED = "upstream re-worded a comment beside the patch"

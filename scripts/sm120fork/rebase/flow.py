@@ -17,15 +17,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sm120fork import lock
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK, FatalError
+from sm120fork.patches.stack import load_stack
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import finalize, gatefindings, phases, preconditions, report, targets
 from sm120fork.rebase.landing import land
 from sm120fork.rebase.run import Run, say
 from sm120fork.rebase.state import MemoryStore, PatchState, RebaseState, StateDir, Target
-from sm120fork.stack import load_stack
-from sm120fork.upstream import where
+from sm120fork.upstream import lock, where
 
 
 def start(paths: RepoPaths, spec: str, *, git_url: str | None, step: bool, dry_run: bool) -> int:

@@ -20,7 +20,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from sm120fork.diffs import git_hunks
+from sm120fork.patches.diffs import git_hunks
 from sm120fork.rebase.workrepo import WorkRepo
 
 

@@ -14,16 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sm120fork import lock
 from sm120fork.errors import FatalError
-from sm120fork.lines import split_lines
-from sm120fork.normalform import render_patch
-from sm120fork.patchfile import parse_patch
+from sm120fork.patches.lines import split_lines
+from sm120fork.patches.normalform import render_patch
+from sm120fork.patches.patchfile import parse_patch
+from sm120fork.patches.series import read_series
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import changelog
 from sm120fork.rebase.finalize import Writer
 from sm120fork.rebase.state import PatchState, RebaseState
-from sm120fork.series import read_series
+from sm120fork.upstream import lock
 
 if sys.version_info >= (3, 11):
     import tomllib

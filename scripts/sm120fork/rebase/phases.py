@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sm120fork import lock
 from sm120fork.errors import EXIT_FINDINGS, FatalError
 from sm120fork.intent.model import load_intents
-from sm120fork.normalform import DiffRenderer
-from sm120fork.patchfile import parse_patch
+from sm120fork.patches.normalform import DiffRenderer
+from sm120fork.patches.patchfile import parse_patch
 from sm120fork.progress import Counter, Progress
 from sm120fork.rebase import ledger, targets
 from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, checked, finish
@@ -22,6 +21,7 @@ from sm120fork.rebase.names import broken_lines
 from sm120fork.rebase.run import PREFIX, Run, say
 from sm120fork.rebase.state import RebaseState, crash_point
 from sm120fork.rebase.workrepo import WorkRepo
+from sm120fork.upstream import lock
 
 
 def fetch(run: Run, state: RebaseState) -> RebaseState:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from sm120fork import gitcmd, lock
-from sm120fork.checks import check_repository
+from sm120fork import gitcmd
 from sm120fork.errors import FatalError
+from sm120fork.patches.checks import check_repository
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase.state import StateDir
+from sm120fork.upstream import lock
 
 
 def refuse_in_progress(state_dir: StateDir) -> None:

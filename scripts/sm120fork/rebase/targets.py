@@ -7,10 +7,9 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from sm120fork import lock, manifest
 from sm120fork.errors import FatalError
-from sm120fork.upstream import Progress, available_versions, fetch_release, where
-from sm120fork.upstream_versions import releases, resolve_version
+from sm120fork.upstream import Progress, available_versions, fetch_release, lock, manifest, where
+from sm120fork.upstream.versions import releases, resolve_version
 
 
 def plan(spec: str, pinned: str, *, git_url: str | None, step: bool, scratch: Path) -> list[str]:

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from sm120fork.normalform import DiffRenderer
+from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.review import decisions, revs
 from sm120fork.review.behaviour import review_behaviour
 from sm120fork.review.gatescan import scan_patched

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sm120fork.checks import check_repository
+from sm120fork.patches.checks import check_repository
 from sm120fork.paths import RepoPaths
 from sm120fork.review.model import CheckReview
 from sm120fork.review.patched import Files

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sm120fork.dep3 import Dep3Header
+from sm120fork.patches.dep3 import Dep3Header
 from sm120fork.review.model import FieldChange
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sm120fork.diffs import parse_diff
-from sm120fork.lines import split_lines
+from sm120fork.patches.diffs import parse_diff
+from sm120fork.patches.lines import split_lines
 
 Span = tuple[int, int]  # first line, one past the last (1-based)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sm120fork.normalform import DiffRenderer
-from sm120fork.patchfile import PatchFile
+from sm120fork.patches.normalform import DiffRenderer
+from sm120fork.patches.patchfile import PatchFile
 from sm120fork.review.headers import header_changes
 from sm120fork.review.hunks import change_lines, changed_spans, keep_overlapping
 from sm120fork.review.model import PatchReview

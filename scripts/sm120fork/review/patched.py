@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sm120fork.applier import ApplyError, Overlay, apply_patch
-from sm120fork.patchfile import PatchFile
+from sm120fork.patches.applier import ApplyError, Overlay, apply_patch
+from sm120fork.patches.patchfile import PatchFile
 
 Files = Mapping[str, "str | None"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from difflib import SequenceMatcher
 
-from sm120fork.normalform import DiffRenderer
+from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.review import interdiff
 from sm120fork.review.model import Move, PatchReview, SeriesReview
 from sm120fork.review.patched import Applied

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sm120fork import lock
 from sm120fork.errors import FatalError
-from sm120fork.patchfile import PatchFile, PatchFileError, parse_patch
+from sm120fork.patches.patchfile import PatchFile, PatchFileError, parse_patch
+from sm120fork.patches.series import Series, parse_series
 from sm120fork.review.revs import Rev, list_files, read_files, tree_id
-from sm120fork.series import Series, parse_series
+from sm120fork.upstream import lock
 
 PATCHES = "patches"
 SERIES = "patches/series"

@@ -14,13 +14,13 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from sm120fork import lock as lockfile
-from sm120fork import pristine
 from sm120fork.errors import FatalError
 from sm120fork.forkversion import read_fork_version
 from sm120fork.fsutil import create_temporary
+from sm120fork.patches.stack import load_stack
 from sm120fork.paths import RepoPaths
-from sm120fork.stack import load_stack
+from sm120fork.upstream import lock as lockfile
+from sm120fork.upstream import pristine
 from sm120fork.wheel.fetch import fetch
 from sm120fork.wheel.metadata import AppliedPatch, ForkInfo
 from sm120fork.wheel.select import choose, fork_wheel_name

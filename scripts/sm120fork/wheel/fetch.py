@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sm120fork.errors import FatalError
-from sm120fork.lock import Artifact, Lock
+from sm120fork.upstream.lock import Artifact, Lock
 from sm120fork.wheel.select import download_target
 
 Progress = Callable[[str], None]

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 
 from sm120fork.errors import FatalError
-from sm120fork.patchfile import PatchFile
+from sm120fork.patches.patchfile import PatchFile
 
 PATCHES_FILE = "sm120-patches.json"
 _FIELD = re.compile(r"(?P<name>[A-Za-z0-9-]+):[ \t]?(?P<value>.*)")

@@ -7,7 +7,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from sm120fork.errors import FatalError
-from sm120fork.lock import Artifact, Lock
+from sm120fork.upstream.lock import Artifact, Lock
 
 
 def wheel_artifacts(lock: Lock) -> tuple[Artifact, ...]:

@@ -17,10 +17,10 @@ from typing import BinaryIO
 
 from packaging.version import InvalidVersion, Version
 
-from sm120fork.applier import Overlay, apply_patch
-from sm120fork.archive import safe_member_path
 from sm120fork.errors import FatalError
-from sm120fork.patchfile import PatchFile
+from sm120fork.patches.applier import Overlay, apply_patch
+from sm120fork.patches.patchfile import PatchFile
+from sm120fork.upstream.archive import safe_member_path
 from sm120fork.wheel import record
 from sm120fork.wheel.metadata import PATCHES_FILE, ForkInfo, fork_metadata, patches_json
 from sm120fork.wheel.zipfiles import DateTime, Member, RawZip, ZipWriter, deflate

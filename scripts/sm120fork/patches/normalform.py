@@ -18,8 +18,8 @@ from pathlib import Path
 from types import TracebackType
 
 from sm120fork import gitcmd
-from sm120fork.dep3 import Dep3Header
-from sm120fork.lines import split_lines
+from sm120fork.patches.dep3 import Dep3Header
+from sm120fork.patches.lines import split_lines
 
 _DIFF_OPTIONS = [
     "-c", "diff.noprefix=false",

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sm120fork.diffs import FileDiff, Hunk
 from sm120fork.errors import FatalError
-from sm120fork.lines import split_lines
-from sm120fork.patchfile import PatchFile
+from sm120fork.patches.diffs import FileDiff, Hunk
+from sm120fork.patches.lines import split_lines
+from sm120fork.patches.patchfile import PatchFile
 
 
 class ApplyError(FatalError):

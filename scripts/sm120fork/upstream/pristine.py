@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from sm120fork import lock as lockfile
-from sm120fork import manifest
 from sm120fork.errors import FatalError
 from sm120fork.paths import RepoPaths
+from sm120fork.upstream import lock as lockfile
+from sm120fork.upstream import manifest
 
 SHOWN = 20  # files named one by one; the rest are counted (a re-import fixes them all)
 

@@ -7,12 +7,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sm120fork.applier import Overlay, PatchResult, apply_patch
 from sm120fork.errors import FatalError
-from sm120fork.normalform import DiffRenderer, render_patch
-from sm120fork.patchfile import PatchFile, load_patch
+from sm120fork.patches.applier import Overlay, PatchResult, apply_patch
+from sm120fork.patches.normalform import DiffRenderer, render_patch
+from sm120fork.patches.patchfile import PatchFile, load_patch
+from sm120fork.patches.series import Series, duplicate_entries, read_series
 from sm120fork.paths import RepoPaths
-from sm120fork.series import Series, duplicate_entries, read_series
 
 
 @dataclass(frozen=True)

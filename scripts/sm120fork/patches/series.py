@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sm120fork.errors import FatalError
-from sm120fork.lines import split_rows
+from sm120fork.patches.lines import split_rows
 
 _STRIP_OPTION = re.compile(r"-p(\d+)")
 # A patch name is a plain relative path inside patches/: no `..`, no absolute

@@ -24,7 +24,7 @@ from unidiff.patch import Hunk as ParsedHunk
 from unidiff.patch import PatchedFile, PatchSet
 
 from sm120fork.errors import FatalError
-from sm120fork.lines import split_lines
+from sm120fork.patches.lines import split_lines
 
 _GIT_HEADER = re.compile(r"diff --git (\S+) (\S+)$")
 _REFUSED_EXTENDED = ("old mode", "new mode", "rename from", "rename to", "copy from", "copy to")

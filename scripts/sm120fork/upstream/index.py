@@ -29,7 +29,7 @@ from packaging.utils import (
 from packaging.version import InvalidVersion, Version
 
 from sm120fork.errors import FatalError
-from sm120fork.upstream_pypi import PROJECT, pip
+from sm120fork.upstream.pypi import PROJECT, pip
 
 _ACCEPT = ", ".join(
     [

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from sm120fork import gitcmd
-from sm120fork.archive import is_text, safe_member_path, write_file
 from sm120fork.errors import FatalError
+from sm120fork.upstream.archive import is_text, safe_member_path, write_file
 
 SUBTREE = "python/sglang"
 LICENSE = "LICENSE"

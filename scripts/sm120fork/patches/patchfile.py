@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from sm120fork import dep3, diffs
 from sm120fork.errors import FatalError
-from sm120fork.lines import split_lines
+from sm120fork.patches import dep3, diffs
+from sm120fork.patches.lines import split_lines
 
 
 class PatchFileError(FatalError):

@@ -10,15 +10,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sm120fork import dep3, pristine
-from sm120fork.applier import ApplyError, Overlay, apply_patch
 from sm120fork.errors import FatalError
 from sm120fork.intent.model import Intent, load_intents
 from sm120fork.intent.reapply import reapply
-from sm120fork.normalform import DiffRenderer, render_patch
-from sm120fork.patchfile import PatchFile, PatchFileError, load_patch
+from sm120fork.patches import dep3
+from sm120fork.patches.applier import ApplyError, Overlay, apply_patch
+from sm120fork.patches.normalform import DiffRenderer, render_patch
+from sm120fork.patches.patchfile import PatchFile, PatchFileError, load_patch
+from sm120fork.patches.series import Series, duplicate_entries, read_series
 from sm120fork.paths import RepoPaths
-from sm120fork.series import Series, duplicate_entries, read_series
+from sm120fork.upstream import pristine
 
 INTENTS_FILE = "intents.toml"
 
