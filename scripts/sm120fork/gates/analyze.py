@@ -6,9 +6,8 @@ import ast
 from dataclasses import dataclass, field
 
 from sm120fork.gates import semantics
-from sm120fork.gates.evaluate import Context, Evaluator
+from sm120fork.gates.evaluator import Context, Evaluator, zero_argument
 from sm120fork.gates.flows import class_facts, flow_seeds, gather_calls, outgoing_calls
-from sm120fork.gates.functions import zero_argument
 from sm120fork.gates.hot import Hotness, hot_lines
 from sm120fork.gates.model import ARCHS, Gate, ScanProblem
 from sm120fork.gates.scopes import ModuleScopes, build_scopes

@@ -35,7 +35,7 @@ from sm120fork.gates.analyze import (
     module_exports,
     parse_module,
 )
-from sm120fork.gates.context import Context
+from sm120fork.gates.evaluator import Context
 from sm120fork.gates.model import ScanProblem
 from sm120fork.gates.scopes import module_name
 from sm120fork.gates.values import CallArgs, ExportTable

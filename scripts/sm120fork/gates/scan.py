@@ -22,7 +22,7 @@ from typing import Any
 from sm120fork.errors import FatalError
 from sm120fork.gates import passes
 from sm120fork.gates.analyze import ModuleResult, analyse_module, parse_module
-from sm120fork.gates.evaluate import Context
+from sm120fork.gates.evaluator import Context
 from sm120fork.gates.model import Gate, Inventory, ScanProblem, assign_occurrences
 from sm120fork.gates.passes import Calls, Files, Share
 from sm120fork.gates.scopes import module_name

@@ -14,7 +14,7 @@ import ast
 import bisect
 from dataclasses import dataclass
 
-from sm120fork.gates.evaluate import Evaluator
+from sm120fork.gates.evaluator import Evaluator
 from sm120fork.gates.model import Guarded
 from sm120fork.gates.scopes import ModuleScopes, Scope
 

@@ -11,13 +11,10 @@ and anything else unusual make the result unknown.
 from __future__ import annotations
 
 import ast
-from typing import TYPE_CHECKING
 
+from sm120fork.gates.evaluator.base import EvaluatorBase
 from sm120fork.gates.scopes import Scope
 from sm120fork.gates.values import Dep, LocalFn, Val, concrete, truth, unknown
-
-if TYPE_CHECKING:
-    from sm120fork.gates.evaluate import Evaluator
 
 
 def zero_argument(fn: LocalFn) -> bool:
@@ -34,7 +31,7 @@ def zero_argument(fn: LocalFn) -> bool:
 class _Run:
     """One function's paths on one architecture."""
 
-    def __init__(self, evaluator: Evaluator, scope: Scope) -> None:
+    def __init__(self, evaluator: EvaluatorBase, scope: Scope) -> None:
         self.evaluator = evaluator
         self.scope = scope
         self.results: list[tuple[Val, frozenset[Dep]]] = []
@@ -138,7 +135,7 @@ class _Run:
 
 
 class Summaries:
-    def __init__(self, evaluator: Evaluator) -> None:
+    def __init__(self, evaluator: EvaluatorBase) -> None:
         self.evaluator = evaluator
         self.memo: dict[int, Val] = {}
         self.active: set[int] = set()

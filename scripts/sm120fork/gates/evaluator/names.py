@@ -10,8 +10,9 @@ from __future__ import annotations
 import ast
 
 from sm120fork.gates import semantics
-from sm120fork.gates.context import EvaluatorBase, merge
-from sm120fork.gates.flows import agree, external_arguments, inherited_attr
+from sm120fork.gates.evaluator.base import EvaluatorBase
+from sm120fork.gates.evaluator.context import merge
+from sm120fork.gates.evaluator.external import agree, external_arguments, inherited_attr
 from sm120fork.gates.scopes import Binding, Scope, argument_for
 from sm120fork.gates.values import (
     BoundMethod,

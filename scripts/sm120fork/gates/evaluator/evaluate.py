@@ -21,11 +21,12 @@ import ast
 from collections.abc import Callable
 
 from sm120fork.gates import semantics
-from sm120fork.gates.context import Context
+from sm120fork.gates.evaluator.context import Context
+from sm120fork.gates.evaluator.functions import Summaries
+from sm120fork.gates.evaluator.names import Names
+from sm120fork.gates.evaluator.operators import Operators
 from sm120fork.gates.hot import Hotness
 from sm120fork.gates.model import Arch
-from sm120fork.gates.names import Names
-from sm120fork.gates.operators import Operators
 from sm120fork.gates.scopes import ModuleScopes, Scope
 from sm120fork.gates.values import (
     PLATFORM,
@@ -41,7 +42,7 @@ from sm120fork.gates.values import (
     unknown,
 )
 
-__all__ = ["Context", "Evaluator"]
+__all__ = ["Evaluator"]
 
 # Builtins computed on known values (int(major), max(sm, 90), ...); see names.BUILTINS.
 _BUILTINS: dict[str, Callable[..., object]] = {
@@ -63,8 +64,6 @@ class Evaluator(Names, Operators):
     def __init__(
         self, scopes: ModuleScopes, arch: Arch, context: Context, hotness: Hotness | None = None
     ) -> None:
-        from sm120fork.gates.functions import Summaries  # a cycle by design: calls <-> bodies
-
         self.hotness = hotness
         self.scopes = scopes
         self.arch = arch

@@ -1,25 +1,17 @@
-"""What an evaluator works with: the tree's exports, and the evaluator's shape.
+"""What an evaluator works with: the tree's exports.
 
 `Context` is what a module knows of the rest of the tree: other modules'
 architecture-derived names and, once every module has been analysed, what
-flows in from them (`flows`: the calls other modules make to this module's
-functions, and the classes related to its classes). `EvaluatorBase` declares
-what the parts of the evaluator (`names`, `operators`, `evaluate`) share.
+flows in from them (`gates.flows`: the calls other modules make to this
+module's functions, and the classes related to its classes).
 """
 
 from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from sm120fork.gates.model import Arch
-from sm120fork.gates.scopes import ModuleScopes, Scope
 from sm120fork.gates.values import CallArgs, ClassFacts, ClassRef, Dep, Export, ExportTable, Val
-
-if TYPE_CHECKING:
-    from sm120fork.gates.functions import Summaries
-    from sm120fork.gates.hot import Hotness
 
 
 @dataclass
@@ -117,23 +109,3 @@ def depof(val: Val, node: ast.AST) -> frozenset[Dep]:
 
 def merge(val: Val, *, arch: bool, test: bool | None = None) -> Val:
     return Val(val.value, val.deps, val.arch or arch, val.test if test is None else test, val.fact)
-
-
-class EvaluatorBase:
-    """The state and the methods the evaluator's parts rely on each other for."""
-
-    scopes: ModuleScopes
-    arch: Arch
-    context: Context
-    index: int  # the architecture's position in ARCHS (for other modules' exports)
-    memo: dict[int, Val]
-    active: set[int]
-    unknown_helpers: set[str]
-    summaries: Summaries
-    hotness: Hotness | None  # None: consider every parameter and call
-
-    def eval(self, node: ast.AST, scope: Scope) -> Val:
-        raise NotImplementedError
-
-    def _item(self, base: Val, index: Val, node: ast.AST) -> Val:
-        raise NotImplementedError

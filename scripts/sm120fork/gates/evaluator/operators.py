@@ -8,7 +8,8 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from sm120fork.gates.context import EvaluatorBase, depof, merge
+from sm120fork.gates.evaluator.base import EvaluatorBase
+from sm120fork.gates.evaluator.context import depof, merge
 from sm120fork.gates.scopes import Scope
 from sm120fork.gates.values import RAISES, Dep, Val, concrete, truth, unknown
 
