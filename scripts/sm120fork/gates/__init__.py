@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sm120fork.gates.decide import apply_policy
 from sm120fork.gates.diff import GateChange, GateDiff, diff_inventories
 from sm120fork.gates.model import ARCHS, Arch, Gate, GateKey, Inventory, ScanProblem
-from sm120fork.gates.policy import Policy, apply_policy, load_policy
+from sm120fork.gates.policy import Policy, load_policy
 from sm120fork.gates.report import write_reports
 from sm120fork.gates.scan import scan_tree
 

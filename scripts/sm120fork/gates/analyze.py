@@ -6,11 +6,12 @@ import ast
 from dataclasses import dataclass, field
 
 from sm120fork.gates import semantics
+from sm120fork.gates.binder import build_scopes
 from sm120fork.gates.evaluator import Context, Evaluator, zero_argument
 from sm120fork.gates.flows import class_facts, flow_seeds, gather_calls, outgoing_calls
 from sm120fork.gates.hot import Hotness, hot_lines
 from sm120fork.gates.model import ARCHS, Gate, ScanProblem
-from sm120fork.gates.scopes import ModuleScopes, build_scopes
+from sm120fork.gates.scopes import ModuleScopes
 from sm120fork.gates.sites import SiteFinder
 from sm120fork.gates.values import (
     CallArgs,

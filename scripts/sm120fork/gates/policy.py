@@ -34,7 +34,7 @@ survive line shifts and reformatting. Where one function repeats a condition
 `occurrence`, which shifts when upstream adds one more; with `within`,
 `occurrence` counts only the gates sharing that enclosing test. A `path` with `*` is a glob
 (`**` crosses directories) and may only carry a default; the most specific
-entry wins: gate, function, file, then the longest glob.
+entry wins: gate, function, file, then the longest glob (`decide.apply_policy`).
 
 An `added` entry reviews a gate that only the patched tree has (a patch that
 gives SM12x a default where upstream tests no architecture at all): it is not
@@ -45,7 +45,6 @@ sources instead.
 from __future__ import annotations
 
 import ast
-import fnmatch
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -53,9 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from sm120fork.errors import FatalError
-from sm120fork.gates.model import DECISIONS, UNREVIEWED, Gate, Inventory
+from sm120fork.gates.model import DECISIONS, Gate
 from sm120fork.gates.scan import scan_source
-from sm120fork.gates.wrongly import check_wrongly_included
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -230,81 +228,6 @@ def parse_policy(data: dict[str, Any], source: str = "gates.toml") -> Policy:
             gates.append(GateRule(path, function, key[2], occurrence, within, decision, added))
     globs.sort(key=lambda item: -len(item[0]))
     return Policy(tokens, tuple(gates), functions, files, tuple(globs), source)
-
-
-def _glob_match(path: str, pattern: str) -> bool:
-    if "**" in pattern:
-        prefix = pattern.split("**", 1)[0]
-        return path.startswith(prefix) and fnmatch.fnmatchcase(path, pattern.replace("**", "*"))
-    return fnmatch.fnmatchcase(path, pattern) and path.count("/") == pattern.count("/")
-
-
-@dataclass
-class _Matcher:
-    policy: Policy
-    used: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.exact: dict[tuple[str, str, str], list[GateRule]] = {}
-        for rule in self.policy.gates:
-            triple = (rule.file, rule.function, rule.condition)
-            self.exact.setdefault(triple, []).append(rule)
-
-    def decide(self, gate: Gate, local: int) -> Decision | None:
-        rules = self.exact.get((gate.file, gate.function, gate.condition), [])
-        matching = [r for r in rules if r.matches(gate, local)]
-        if matching:
-            rule = max(matching, key=lambda r: r.specificity)
-            self.used.add(rule.decision.origin)
-            return rule.decision
-        for found in (
-            self.policy.functions.get((gate.file, gate.function)),
-            self.policy.files.get(gate.file),
-        ):
-            if found is not None:
-                self.used.add(found.origin)
-                return found
-        for pattern, decision in self.policy.globs:
-            if _glob_match(gate.file, pattern):
-                self.used.add(decision.origin)
-                return decision
-        return None
-
-    def stale(self) -> list[str]:
-        everything: Iterable[Decision] = (
-            *(r.decision for r in self.policy.gates if not r.added),
-            *self.policy.functions.values(),
-            *self.policy.files.values(),
-            *(d for _, d in self.policy.globs),
-        )
-        return sorted({d.origin for d in everything} - self.used)
-
-
-def apply_policy(inventory: Inventory, policy: Policy) -> Inventory:
-    """The inventory with each gate's decision, and the wrongly-included check."""
-    matcher = _Matcher(policy)
-    reviewed = []
-    seen: dict[tuple[str, str, str, str | None], int] = {}
-    for gate in inventory.gates:
-        group = (gate.file, gate.function, gate.condition, gate.within)
-        local = seen[group] = seen.get(group, -1) + 1
-        decision = matcher.decide(gate, local)
-        if decision is None:
-            gate = gate.with_changes(decision=UNREVIEWED, patch=None, reason=None, evidence=())
-        else:
-            gate = gate.with_changes(
-                decision=decision.decision,
-                patch=decision.patch,
-                reason=decision.reason,
-                evidence=decision.evidence,
-            )
-        token = check_wrongly_included(gate, policy.tokens)
-        if token is not None and decision is not None and decision.false_positive:
-            token = None
-        reviewed.append(
-            gate.with_changes(wrongly_included=token is not None, wrongly_included_token=token)
-        )
-    return inventory.with_gates(tuple(reviewed), stale_policy=tuple(matcher.stale()))
 
 
 def missing_patches(policy: Policy, series_names: Iterable[str]) -> list[str]:
