@@ -43,8 +43,23 @@ class RepoPaths:
         return self.patches_dir / "series"
 
     @property
+    def gates_policy(self) -> Path:
+        """The reviewed decision for every architecture gate (`sm120fork gates`)."""
+        return self.patches_dir / "gates.toml"
+
+    @property
+    def intents_file(self) -> Path:
+        """The recipes the rebase re-applies a patch by."""
+        return self.patches_dir / "intents.toml"
+
+    @property
     def build_dir(self) -> Path:
         return self.root / "build"
+
+    @property
+    def rebase_dir(self) -> Path:
+        """The rebase's report, work repository and state."""
+        return self.build_dir / "rebase"
 
     @property
     def changelog(self) -> Path:

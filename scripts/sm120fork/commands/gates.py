@@ -59,7 +59,7 @@ def _report(inventory: Inventory, label: str) -> None:
 def run(args: argparse.Namespace) -> int:
     paths = RepoPaths(args.repo)
     tree = args.tree or paths.upstream_tree
-    policy = load_policy(args.policy or paths.patches_dir / "gates.toml")
+    policy = load_policy(args.policy or paths.gates_policy)
     inventory = _shown(review_tree(tree, policy, workers=args.workers), paths)
     new: Inventory | None = None
     changes: GateDiff | None = None

@@ -48,7 +48,7 @@ def check_repository(paths: RepoPaths, *, verify_tree: bool = True) -> list[Find
     series = read_series(paths.series_file)
     findings += _series_findings(paths, series)
     patches = _load_patches(paths, series, findings)
-    intents = load_intents(paths.patches_dir / INTENTS_FILE)
+    intents = load_intents(paths.intents_file)
     for name in sorted(set(intents) - set(series.names)):
         findings.append(
             Finding(f"patches/{INTENTS_FILE}", 1, f"intent for {name}, which is not in the series")

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gatefindings
 from sm120fork.rebase.report import summary_line
 from sm120fork.review.model import UpstreamReview
@@ -18,7 +19,6 @@ from sm120fork.review.revs import read_text
 from sm120fork.review.side import Side
 
 REPORTS = "docs/rebases"
-BUILT = Path("build") / "rebase" / "report.json"
 
 
 def _report(root: Path, head: Side, old: str | None, new: str | None) -> tuple[str, Any] | None:
@@ -26,9 +26,9 @@ def _report(root: Path, head: Side, old: str | None, new: str | None) -> tuple[s
     text = read_text(root, head.rev, committed)
     where = committed
     if text is None:
-        built = root / BUILT
+        built = RepoPaths(root).rebase_dir / "report.json"
         text = built.read_text(encoding="utf-8") if built.is_file() else None
-        where = BUILT.as_posix()
+        where = built.relative_to(root).as_posix()
     if text is None:
         return None
     try:
