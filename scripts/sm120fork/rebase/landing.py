@@ -10,7 +10,7 @@ import shutil
 from dataclasses import replace
 
 from sm120fork.errors import EXIT_OK
-from sm120fork.rebase import finalize, outputs, report
+from sm120fork.rebase import fate, finalize, outputs, report
 from sm120fork.rebase.run import Run, say
 from sm120fork.rebase.state import RebaseState, crash_point
 
@@ -40,7 +40,7 @@ def land(run: Run, state: RebaseState) -> int:
     shutil.rmtree(run.work, ignore_errors=True)
     shutil.rmtree(run.area / "upstream", ignore_errors=True)
     run.store.remove()
-    kept = sum(p.status != "upstreamed" for p in state.patches)
+    kept = sum(not fate.leaves_series(p.status) for p in state.patches)
     print(
         f"rebased onto sglang {state.final.version}: {kept} of {len(state.patches)} patches "
         f"carried; wrote vendor/sglang, its lock, patches/ and CHANGELOG.md; report {md}"

@@ -2,8 +2,8 @@
 
 Each writer fills one staged copy (see finalize.py). A patch whose diff did
 not change keeps its bytes, `Last-Update` included; a changed one gets
-`Last-Update` = today ($SM120FORK_DATE). Upstreamed patches leave the series,
-patches/ and patches/intents.toml.
+`Last-Update` = today ($SM120FORK_DATE). Upstreamed and dropped patches leave
+the series, patches/ and patches/intents.toml.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sm120fork.lines import split_lines
 from sm120fork.normalform import render_patch
 from sm120fork.patchfile import parse_patch
 from sm120fork.paths import RepoPaths
-from sm120fork.rebase import changelog
+from sm120fork.rebase import changelog, fate
 from sm120fork.rebase.finalize import Writer
 from sm120fork.rebase.state import PatchState, RebaseState
 from sm120fork.series import read_series
@@ -60,7 +60,7 @@ def writers(
     def patches(dest: Path) -> None:
         shutil.copytree(paths.patches_dir, dest, symlinks=True)
         series = read_series(paths.series_file)
-        dropped = {patch.name for patch in state.patches if patch.status == "upstreamed"}
+        dropped = {patch.name for patch in state.patches if fate.leaves_series(patch.status)}
         for patch in state.patches:
             if patch.name in dropped:
                 (dest / patch.name).unlink()

@@ -15,7 +15,7 @@ from sm120fork.intent.model import load_intents
 from sm120fork.normalform import DiffRenderer
 from sm120fork.patchfile import parse_patch
 from sm120fork.progress import Counter, Progress
-from sm120fork.rebase import ledger, targets
+from sm120fork.rebase import fate, ledger, targets
 from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, checked, finish
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
@@ -64,16 +64,6 @@ def prepare(run: Run, state: RebaseState) -> RebaseState:
     return state
 
 
-_STRATEGY = {
-    "clean": "applies unchanged",
-    "offset": "at shifted lines, refreshed",
-    "merged": "3-way merge by git, refreshed",
-    "resolved": "re-applied by its intent",
-    "upstreamed": "upstream has it, dropped",
-    "conflict": "needs a person",
-}
-
-
 def carry_all(run: Run, state: RebaseState) -> RebaseState:
     """Carry the series onto each target in turn; stop at a conflict (not in a dry run)."""
     repo = WorkRepo(run.work)
@@ -114,7 +104,7 @@ def _carry_release(
     shown.update(patches, completed=state.patch_index)
     for number in range(state.patch_index, total):
         patch = state.patches[number]
-        if patch.status in ("upstreamed", "conflict"):
+        if fate.leaves_series(patch.status) or patch.status == "conflict":
             shown.update(patches, completed=number + 1)
             continue  # dropped at an earlier release, or a dry run went past its conflict
         shown.update(patches, name=f"patch {patch.name}")
@@ -122,7 +112,7 @@ def _carry_release(
         outcome = checked(repo, state.tip, outcome, state.target.version, patch.commit)
         crash_point("mid-carry")
         state = ledger.record(state, number, outcome)
-        how = _STRATEGY.get(outcome.status, outcome.status)
+        how = fate.strategy(outcome.status)
         shown.line(
             f"{where}carrying patch {number + 1}/{total} {patch.name}: {outcome.status} ({how})"
         )
@@ -148,12 +138,13 @@ def resolved(run: Run, state: RebaseState, *, note: str = "", drop: str = "") ->
     version = state.target.version
     if drop:
         repo.checkout(state.tip)  # the person's edits, if any, go with the patch
-        outcome = Outcome("upstreamed", f"dropped by hand at {version}: {drop.rstrip('.')}")
+        outcome = Outcome("dropped", drop)
     else:
         outcome = _finish_by_hand(run, repo, state)
     crash_point("resolved")
     state = ledger.record(state, state.patch_index, outcome, note or drop)
-    say(f"{patch.name}: {outcome.status} ({outcome.detail})")
+    said = fate.detail(outcome.status, outcome.reason, version)
+    say(f"{patch.name}: {outcome.status} ({said})")
     tip = outcome.commit or state.tip
     return run.save(replace(state, phase="carry", patch_index=state.patch_index + 1, tip=tip))
 
@@ -171,7 +162,7 @@ def _finish_by_hand(run: Run, repo: WorkRepo, state: RebaseState) -> Outcome:
         )
     parsed = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
     with DiffRenderer() as renderer:
-        outcome = finish(repo, parsed, state.tip, renderer, "merged", ledger.HAND)
+        outcome = finish(repo, parsed, state.tip, renderer, "merged", fate.HAND)
     broken = broken_lines(repo, state.tip, outcome.commit, patch.commit) if outcome.commit else []
     if broken:
         repo.git("reset", "-q", "--mixed", state.tip)  # the edits stay for another try
@@ -181,5 +172,5 @@ def _finish_by_hand(run: Run, repo: WorkRepo, state: RebaseState) -> Outcome:
             EXIT_FINDINGS,
         )
     if outcome.status == "upstreamed":
-        outcome = replace(outcome, detail="the conflict was resolved by hand to no change; dropped")
+        outcome = replace(outcome, reason=fate.TO_NOTHING)
     return outcome

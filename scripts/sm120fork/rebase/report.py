@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sm120fork.fsutil import atomic_write_many
-from sm120fork.rebase import gatefindings
-from sm120fork.rebase.changelog import step_fate
+from sm120fork.rebase import fate, gatefindings
 from sm120fork.rebase.conflicts import gate_conditions
 from sm120fork.rebase.gatefindings import KINDS
-from sm120fork.rebase.ledger import first_break, shown
+from sm120fork.rebase.ledger import shown
 from sm120fork.rebase.state import Conflict, RebaseState, StepResult
 
 # How a `rebase VERSION` ended; the upstream watch reads this, not the exit code.
@@ -75,7 +74,7 @@ def _walk(state: RebaseState) -> list[dict[str, Any]]:
     for target in state.targets:
         gates = state.release_gates.get(target.version, {})
         patches = [
-            {"name": patch.name, **_step_json(step), "fate": step_fate(step)}
+            {"name": patch.name, **_step_json(step), "fate": fate.at_release(step)}
             for patch in state.patches
             for step in patch.steps
             if step.version == target.version
@@ -96,7 +95,7 @@ def _step_json(step: StepResult) -> dict[str, Any]:
     return {
         "status": step.status,
         "by_hand": step.by_hand,
-        "detail": step.detail,
+        "detail": fate.step_detail(step),
         "note": step.note,
     }
 
@@ -126,7 +125,7 @@ def _patch(state: RebaseState, index: int) -> dict[str, Any]:
         ],
     }
     if state.step_mode:
-        found = first_break(patch.steps)
+        found = fate.first_break(patch.steps)
         if status == "conflict" and found is None:
             found = (state.target.version, "")
         entry["first_break"] = found[0] if found else None

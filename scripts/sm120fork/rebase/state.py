@@ -39,9 +39,11 @@ from sm120fork.errors import FatalError
 from sm120fork.fsutil import atomic_write
 
 CRASH_ENV = "SM120FORK_REBASE_CRASH_AT"
-FORMAT = 1
+FORMAT = 2  # 2: a step keeps its reason; fate.py words it
 
-Status = Literal["clean", "offset", "merged", "resolved", "upstreamed", "conflict", "pending"]
+Status = Literal[
+    "clean", "offset", "merged", "resolved", "upstreamed", "dropped", "conflict", "pending"
+]
 Phase = Literal["fetch", "prepare", "carry", "conflict", "finalize"]
 
 
@@ -66,7 +68,7 @@ class StepResult:
     version: str
     status: Status
     by_hand: bool = False  # a conflict a person resolved
-    detail: str = ""  # what happened at this release (one sentence)
+    reason: str = ""  # why, in the tool's words, without the fate's (fate.step_detail)
     note: str = ""  # the person's word on a hand resolution: why the tool could not
 
 
