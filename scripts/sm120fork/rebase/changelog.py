@@ -18,9 +18,8 @@ entry goes above every earlier one:
 
 from __future__ import annotations
 
-from typing import Any
-
 from sm120fork import lock
+from sm120fork.gates.diff import GateDiff
 from sm120fork.lines import split_lines
 from sm120fork.rebase import fate, gatefindings
 from sm120fork.rebase.state import RebaseState
@@ -28,7 +27,7 @@ from sm120fork.rebase.state import RebaseState
 TITLE = "# Changelog\n"
 
 
-def entry(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
+def entry(state: RebaseState, gates: GateDiff, today: str) -> str:
     """The new entry; with --step one per release walked, newest first."""
     if state.step_mode and state.release_gates is not None and len(state.targets) > 1:
         return _walk_entries(state, gates, today)
@@ -49,7 +48,7 @@ def entry(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _walk_entries(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
+def _walk_entries(state: RebaseState, gates: GateDiff, today: str) -> str:
     """Newest first: the release that lands, then each release walked on the way, each
     with what happened to every patch there and how its gates differ from the release
     before it (the report's `walk` section holds the same)."""
@@ -82,7 +81,7 @@ def _walk_entries(state: RebaseState, gates: dict[str, list[Any]], today: str) -
             *_patches_at(state, version),
             "",
             "### Gates",
-            *_gate_lines(state.release_gates.get(version, {}), before),
+            *_gate_lines(state.release_gates.get(version, GateDiff.empty()), before),
         ]
         if index == len(versions) - 1:
             lines += [
@@ -108,7 +107,7 @@ def _patches_at(state: RebaseState, version: str) -> list[str]:
     return lines
 
 
-def _gate_lines(gates: dict[str, list[Any]], since: str = "") -> list[str]:
+def _gate_lines(gates: GateDiff, since: str = "") -> list[str]:
     """The counts, then every gate whose answer for SM12x changed (the report has all)."""
     against = f" against {since}" if since else ""
     lines = [f"- Gates{against}: {gatefindings.summary(gates)} (the rebase report lists them)."]

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from sm120fork import lock
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK, FatalError
+from sm120fork.gates.diff import GateDiff
 from sm120fork.paths import RepoPaths
-from sm120fork.rebase import finalize, gatefindings, phases, preconditions, report, targets
+from sm120fork.rebase import finalize, phases, preconditions, report, targets
 from sm120fork.rebase.landing import land
 from sm120fork.rebase.run import Run, say
 from sm120fork.rebase.state import MemoryStore, PatchState, RebaseState, StateDir, Target
@@ -175,7 +176,7 @@ def _predicted(run: Run, state: RebaseState) -> int:
 def _stopped(run: Run, state: RebaseState) -> int:
     patch = state.patches[state.patch_index]
     work = run.work.relative_to(run.paths.root)
-    built = report.build(state, "conflict", gatefindings.empty(), str(work))
+    built = report.build(state, "conflict", GateDiff.empty(), str(work))
     _, md = report.write(run.reports, built)
     for conflict in patch.conflicts:
         say(f"conflict: {conflict.file}:{conflict.line} (line of sglang {state.target.version})")

@@ -12,10 +12,10 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
 
 from sm120fork import lock
 from sm120fork.errors import FatalError
+from sm120fork.gates.diff import GateDiff
 from sm120fork.lines import split_lines
 from sm120fork.normalform import render_patch
 from sm120fork.patchfile import parse_patch
@@ -39,7 +39,7 @@ def writers(
     state: RebaseState,
     new_tree: Path,
     new_manifest: Path,
-    gates: dict[str, list[Any]],
+    gates: GateDiff,
 ) -> dict[Path, Writer]:
     today = lock.today()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
+from sm120fork.gates.diff import GateDiff
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gatefindings, targets
 from sm120fork.rebase.state import RebaseState, Store
@@ -48,7 +48,7 @@ class Run:
         self.store.save(state)
         return state
 
-    def gates(self, state: RebaseState) -> dict[str, list[Any]]:
+    def gates(self, state: RebaseState) -> GateDiff:
         """The report's gates section: the pinned release against the final target."""
         if state.gates is not None:
             return state.gates
