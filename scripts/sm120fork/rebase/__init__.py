@@ -13,7 +13,7 @@ The steps, as a maintainer would do them by hand (see `flow.py`):
    describe it (`conflicts`); each result is recorded as data (`ledger`) and
    worded in one place (`fate`);
 5. land vendor/sglang, its lock, patches/ and CHANGELOG.md in one step,
-   guided by a journal (`finalize`, `changelog`);
+   guided by a journal (`landing`, `changelog`);
 6. write build/rebase/report.json and report.md (`report`).
 
 Everything --continue and --abort need is persisted after each step in the

@@ -21,7 +21,7 @@ new upstream no longer defines (or no longer parse) is a conflict too, with its
 change left uncommitted in the work tree for a person (names.py).
 
 A carried patch is committed on the tip and re-rendered in normal form
-against it, with its original header (finalize decides Last-Update).
+against it, with its original header (landing decides Last-Update).
 """
 
 from __future__ import annotations

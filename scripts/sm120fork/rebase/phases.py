@@ -19,14 +19,14 @@ from sm120fork.rebase import fate, ledger, targets
 from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, checked, finish
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
-from sm120fork.rebase.run import PREFIX, Run, say
 from sm120fork.rebase.state import RebaseState, crash_point
 from sm120fork.rebase.workrepo import WorkRepo
+from sm120fork.rebase.workspace import PREFIX, Workspace, say
 
 
-def fetch(run: Run, state: RebaseState) -> RebaseState:
+def fetch(workspace: Workspace, state: RebaseState) -> RebaseState:
     """Download every target release not downloaded yet."""
-    locked = lock.read(run.paths.lock_file)
+    locked = lock.read(workspace.paths.lock_file)
     source = "git" if state.git_url else "the package index"
     for index, target in enumerate(state.targets):
         if not target.lock_text:
@@ -34,21 +34,21 @@ def fetch(run: Run, state: RebaseState) -> RebaseState:
             text = targets.fetch(
                 target.version,
                 git_url=state.git_url,
-                workdir=run.release_dir(target.version),
+                workdir=workspace.release_dir(target.version),
                 locked=locked,
                 progress=say,
             )
-            state = run.save(state.with_target(index, replace(target, lock_text=text)))
-    state = run.save(replace(state, phase="prepare"))
+            state = workspace.save(state.with_target(index, replace(target, lock_text=text)))
+    state = workspace.save(replace(state, phase="prepare"))
     crash_point("after-fetch")
     return state
 
 
-def prepare(run: Run, state: RebaseState) -> RebaseState:
+def prepare(workspace: Workspace, state: RebaseState) -> RebaseState:
     """The work repository: the pinned release, then one commit per patch."""
     say(f"committing sglang {state.from_version} and the series in a work repository")
-    repo = WorkRepo.create(run.work)
-    base = repo.commit_dir(run.paths.upstream_tree, None, f"sglang {state.from_version}")
+    repo = WorkRepo.create(workspace.work)
+    base = repo.commit_dir(workspace.paths.upstream_tree, None, f"sglang {state.from_version}")
     repo.checkout(base)
     patches = []
     for patch in state.patches:
@@ -59,28 +59,28 @@ def prepare(run: Run, state: RebaseState) -> RebaseState:
         if commit is None:
             raise FatalError(f"{patch.name} no longer applies to vendor/sglang; run `check`")
         patches.append(replace(patch, commit=commit))
-    state = run.save(replace(state, phase="carry", old_base=base, patches=tuple(patches)))
+    state = workspace.save(replace(state, phase="carry", old_base=base, patches=tuple(patches)))
     crash_point("after-prepare")
     return state
 
 
-def carry_all(run: Run, state: RebaseState) -> RebaseState:
+def carry_all(workspace: Workspace, state: RebaseState) -> RebaseState:
     """Carry the series onto each target in turn; stop at a conflict (not in a dry run)."""
-    repo = WorkRepo(run.work)
+    repo = WorkRepo(workspace.work)
     with DiffRenderer() as renderer, Progress(PREFIX) as shown:
         releases = shown.add("releases", len(state.targets), state.release_index)
         patches = shown.add("patches", len(state.patches), state.patch_index)
         while state.release_index < len(state.targets):
             shown.update(releases, name=f"release sglang {state.target.version}")
-            state = _carry_release(run, repo, renderer, state, (shown, patches))
+            state = _carry_release(workspace, repo, renderer, state, (shown, patches))
             if state.phase == "conflict":
                 return state
             shown.update(releases, completed=state.release_index)
-    return run.save(replace(state, phase="finalize"))
+    return workspace.save(replace(state, phase="finalize"))
 
 
 def _carry_release(
-    run: Run,
+    workspace: Workspace,
     repo: WorkRepo,
     renderer: DiffRenderer,
     state: RebaseState,
@@ -91,15 +91,15 @@ def _carry_release(
     if not state.tip:
         target = state.target
         parent = state.targets[index - 1].base_commit if index else state.old_base
-        base = repo.commit_dir(run.tree(target.version), parent, f"sglang {target.version}")
+        base = repo.commit_dir(workspace.tree(target.version), parent, f"sglang {target.version}")
         state = state.with_target(index, replace(target, base_commit=base))
-        state = run.save(replace(state, tip=base, patch_index=0))
+        state = workspace.save(replace(state, tip=base, patch_index=0))
     repo.checkout(state.tip)  # also whatever a crash left in the work tree
     releases = len(state.targets)
     where = (
         f"release {index + 1}/{releases} sglang {state.target.version}: " if releases > 1 else ""
     )
-    intents = load_intents(run.paths.patches_dir / "intents.toml")
+    intents = load_intents(workspace.paths.patches_dir / "intents.toml")
     total = len(state.patches)
     shown.update(patches, completed=state.patch_index)
     for number in range(state.patch_index, total):
@@ -117,21 +117,27 @@ def _carry_release(
             f"{where}carrying patch {number + 1}/{total} {patch.name}: {outcome.status} ({how})"
         )
         shown.update(patches, completed=number + 1)
-        if outcome.status == "conflict" and run.dry_run:
+        if outcome.status == "conflict" and workspace.dry_run:
             repo.checkout(state.tip)  # predict the later patches without this one
         elif outcome.status == "conflict":
-            return run.save(replace(state, phase="conflict", patch_index=number))
-        state = run.save(replace(state, patch_index=number + 1, tip=outcome.commit or state.tip))
+            return workspace.save(replace(state, phase="conflict", patch_index=number))
+        state = workspace.save(
+            replace(state, patch_index=number + 1, tip=outcome.commit or state.tip)
+        )
         crash_point(f"after-patch-{number + 1}")
-    return run.save(replace(state, release_index=index + 1, patch_index=0, tip=""))
+    return workspace.save(replace(state, release_index=index + 1, patch_index=0, tip=""))
 
 
-def resolved(run: Run, state: RebaseState, *, note: str = "", drop: str = "") -> RebaseState:
+def resolved(
+    workspace: Workspace, state: RebaseState, *, note: str = "", drop: str = ""
+) -> RebaseState:
     """Finish the conflicted patch with the person's edits of the work tree, or drop it
     (`drop`: why upstream no longer needs it). `note` says why the tool could not."""
-    if not (run.work / ".git").is_dir():
-        raise FatalError(f"the work tree {run.work} is gone; run `rebase --abort` and start again")
-    repo = WorkRepo(run.work)
+    if not (workspace.work / ".git").is_dir():
+        raise FatalError(
+            f"the work tree {workspace.work} is gone; run `rebase --abort` and start again"
+        )
+    repo = WorkRepo(workspace.work)
     if repo.out("rev-parse", "HEAD") != state.tip:  # a crash after committing the resolution
         repo.git("reset", "-q", "--soft", state.tip)
     patch = state.patches[state.patch_index]
@@ -140,23 +146,23 @@ def resolved(run: Run, state: RebaseState, *, note: str = "", drop: str = "") ->
         repo.checkout(state.tip)  # the person's edits, if any, go with the patch
         outcome = Outcome("dropped", drop)
     else:
-        outcome = _finish_by_hand(run, repo, state)
+        outcome = _finish_by_hand(workspace, repo, state)
     crash_point("resolved")
     state = ledger.record(state, state.patch_index, outcome, note or drop)
     said = fate.detail(outcome.status, outcome.reason, version)
     say(f"{patch.name}: {outcome.status} ({said})")
     tip = outcome.commit or state.tip
-    return run.save(replace(state, phase="carry", patch_index=state.patch_index + 1, tip=tip))
+    return workspace.save(replace(state, phase="carry", patch_index=state.patch_index + 1, tip=tip))
 
 
-def _finish_by_hand(run: Run, repo: WorkRepo, state: RebaseState) -> Outcome:
+def _finish_by_hand(workspace: Workspace, repo: WorkRepo, state: RebaseState) -> Outcome:
     patch = state.patches[state.patch_index]
     edited = sorted({c.file for c in patch.conflicts} | set(repo.dirty_paths()))
     left = remaining_markers(repo, edited)
     if left:
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""
         raise FatalError(
-            f"conflict markers remain at {', '.join(left[:3])}{more} in {run.work}; "
+            f"conflict markers remain at {', '.join(left[:3])}{more} in {workspace.work}; "
             "edit them out, then run `rebase --continue`",
             EXIT_FINDINGS,
         )
@@ -167,8 +173,8 @@ def _finish_by_hand(run: Run, repo: WorkRepo, state: RebaseState) -> Outcome:
     if broken:
         repo.git("reset", "-q", "--mixed", state.tip)  # the edits stay for another try
         raise FatalError(
-            f"the resolution breaks: {'; '.join(b.describe() for b in broken)} in {run.work}; "
-            "fix it, then run `rebase --continue`",
+            f"the resolution breaks: {'; '.join(b.describe() for b in broken)} in "
+            f"{workspace.work}; fix it, then run `rebase --continue`",
             EXIT_FINDINGS,
         )
     if outcome.status == "upstreamed":

@@ -96,7 +96,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Journal:
-    """Progress of the final swap (see finalize.py)."""
+    """Progress of the final swap (see landing.py)."""
 
     step: Literal["staging", "staged", "swapped"]
     items: tuple[tuple[str, bool], ...]  # (target relative to the root, existed before)

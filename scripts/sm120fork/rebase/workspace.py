@@ -1,4 +1,9 @@
-"""What every phase of a rebase works with: where things are, how state is kept, progress."""
+"""Where a rebase works: what every phase is handed (`Workspace`), and its progress lines.
+
+Not `commands/rebase.run()`: the workspace is the rebase's area (build/rebase,
+or a temporary directory for --dry-run), the store its state is saved to, the
+releases fetched there and the gate findings computed from them.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ def say(message: str) -> None:
 
 
 @dataclass(frozen=True)
-class Run:
+class Workspace:
+    """The rebase's area, the store of its state, and what is computed from them."""
+
     paths: RepoPaths
     area: Path  # build/rebase, or a temporary directory for --dry-run
     store: Store
