@@ -10,6 +10,7 @@ import pytest
 from sm120fork.cli import main
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK
 from sm120fork.gates import apply_policy, compare_trees, diff_inventories
+from sm120fork.gates.diff import GateDiff
 from sm120fork.gates.model import Gate
 from sm120fork.gates.policy import Policy, parse_policy
 from test_gates_support import make_tree, scan
@@ -216,6 +217,14 @@ def test_new_removed_and_unreviewed(diff) -> None:  # type: ignore[no-untyped-de
     data = diff.to_json()
     assert list(data) == ["new", "changed", "moved", "removed", "unreviewed"]
     json.dumps(data)  # plain JSON
+
+
+def test_a_diff_reads_back_from_its_json(diff) -> None:  # type: ignore[no-untyped-def]
+    data = json.loads(json.dumps(diff.to_json()))  # as the rebase state keeps it
+    again = GateDiff.from_json(data)
+    assert again.to_json() == data
+    assert [c.note for c in again.changed] == [c.note for c in diff.changed]
+    assert GateDiff.from_json({}) == GateDiff.empty()
 
 
 def test_unchanged_gates_are_not_reported(tmp_path: Path) -> None:

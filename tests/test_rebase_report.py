@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-from sm120fork.rebase.report import BODY_LIMIT, markdown
+from sm120fork.gates.diff import GateDiff
+from sm120fork.gates.model import Gate
+from sm120fork.rebase.report import BODY_LIMIT, PatchEntry, Report, markdown
 
 
-def _report(gates: int) -> dict[str, object]:
-    site = {"file": "python/sglang/srt/x.py", "function": "f", "condition": "is_sm100()" * 5}
-    return {
-        "from": "0.5.9",
-        "to": "0.5.23",
-        "source": "pypi",
-        "result": "complete",
-        "patches": [{"name": "a.patch", "status": "clean", "detail": "ok", "conflicts": []}],
-        "gates": {
-            "new": [{**site, "line": n} for n in range(gates)],
-            "changed": [],
-            "moved": [],
-            "removed": [],
-            "unreviewed": [],
-        },
-    }
+def _report(gates: int) -> Report:
+    sites = tuple(
+        Gate("python/sglang/srt/x.py", n, "f", "if", "is_sm100()" * 5, {}) for n in range(gates)
+    )
+    return Report(
+        from_version="0.5.9",
+        to="0.5.23",
+        source="pypi",
+        result="complete",
+        patches=(PatchEntry("a.patch", "clean", "ok"),),
+        gates=GateDiff(new=sites, removed=(), changed=(), moved=(), unreviewed=()),
+    )
 
 
 def test_small_reports_list_every_gate() -> None:

@@ -112,7 +112,7 @@ def test_drop_a_conflicted_patch_with_its_reason(request: pytest.FixtureRequest)
     result = fork.cli("rebase", "--drop", "upstream 0.5.10 sets x_25 its own way")
     assert result.returncode == 0, result.stderr
     a, _ = fork.report()["patches"]
-    assert a["status"] == "upstreamed"
+    assert a["status"] == "dropped"
     assert a["detail"].startswith("conflicted at 0.5.10 and was dropped by hand; dropped by hand")
     assert fork.read("patches/series") == "0002-b.patch\n"
     assert fork.read(f"vendor/sglang/{SA}") == v11[SA]  # the edit went with the patch

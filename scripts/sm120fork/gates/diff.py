@@ -21,9 +21,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from sm120fork.gates.model import SM12X, UNREVIEWED, Gate, Inventory
+from sm120fork.gates.model import SM12X, UNREVIEWED, ArchResult, Gate, Inventory
+
+# An architecture's answer, as a change of gate reports it.
+Answer = Literal["yes", "no", "raises", "depends"]
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
 CHANGED_COND_MIN = 0.5  # a changed gate: condition this similar,
@@ -37,7 +40,9 @@ class GateChange:
     old: Gate
     new: Gate
     score: float
-    archs: dict[str, tuple[Any, Any]]  # architecture -> (old answer, new answer), where they differ
+    archs: dict[
+        str, tuple[ArchResult | None, ArchResult | None]
+    ]  # architecture -> (old answer, new answer), where they differ
 
     @property
     def note(self) -> str:
@@ -45,7 +50,7 @@ class GateChange:
         for arch in SM12X:
             if arch in self.archs:
                 before, after = self.archs[arch]
-                notes.append(f"{arch}: {_short(before)} -> {_short(after)}")
+                notes.append(f"{arch}: {answer(before)} -> {answer(after)}")
         return "; ".join(notes)
 
     def to_json(self) -> dict[str, Any]:
@@ -56,6 +61,16 @@ class GateChange:
             "archs": {k: list(v) for k, v in self.archs.items()},
             "note": self.note,
         }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GateChange:
+        """Read back `to_json()` (the guarded code is not stored)."""
+        return cls(
+            old=Gate.from_json(data["old"]),
+            new=Gate.from_json(data["new"]),
+            score=float(data["score"]),
+            archs={arch: (pair[0], pair[1]) for arch, pair in data["archs"].items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -76,11 +91,38 @@ class GateDiff:
             "unreviewed": [g.to_json() for g in self.unreviewed],
         }
 
+    @classmethod
+    def from_json(cls, data: dict[str, list[dict[str, Any]]]) -> GateDiff:
+        """Read back `to_json()`; a kind left out is empty."""
+        return cls(
+            new=tuple(Gate.from_json(g) for g in data.get("new", [])),
+            removed=tuple(Gate.from_json(g) for g in data.get("removed", [])),
+            changed=tuple(GateChange.from_json(c) for c in data.get("changed", [])),
+            moved=tuple(GateChange.from_json(c) for c in data.get("moved", [])),
+            unreviewed=tuple(Gate.from_json(g) for g in data.get("unreviewed", [])),
+        )
 
-def _short(answer: Any) -> str:
-    if isinstance(answer, bool):
-        return "yes" if answer else "no"
-    return "raises" if str(answer).startswith("raises") else "depends"
+    @classmethod
+    def empty(cls) -> GateDiff:
+        return cls((), (), (), (), ())
+
+    def of_kind(self, kind: str) -> tuple[Gate, ...] | tuple[GateChange, ...]:
+        """The findings of one `to_json()` key: new, changed, moved, removed, unreviewed."""
+        found: dict[str, tuple[Gate, ...] | tuple[GateChange, ...]] = {
+            "new": self.new,
+            "changed": self.changed,
+            "moved": self.moved,
+            "removed": self.removed,
+            "unreviewed": self.unreviewed,
+        }
+        return found[kind]
+
+
+def answer(value: ArchResult | None) -> Answer:
+    """What an evaluated condition says on one architecture, as a change reports it."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return "raises" if str(value).startswith("raises") else "depends"
 
 
 _CAMEL = re.compile(r"[A-Z]+[a-z0-9]*|[a-z0-9]+")
@@ -107,7 +149,7 @@ def _jaccard(a: frozenset[str], b: frozenset[str]) -> float:
 
 
 def _answers(gate: Gate) -> tuple[str, ...]:
-    return tuple(str(v) if isinstance(v, bool) else _short(v) for v in gate.archs.values())
+    return tuple(str(v) if isinstance(v, bool) else answer(v) for v in gate.archs.values())
 
 
 class _Features:
@@ -135,12 +177,12 @@ class _Features:
         return _jaccard(self.body, other.body)
 
 
-def _arch_changes(old: Gate, new: Gate) -> dict[str, tuple[Any, Any]]:
+def _arch_changes(old: Gate, new: Gate) -> dict[str, tuple[ArchResult | None, ArchResult | None]]:
     """Architectures whose answer changed (yes / no / depends; not what it depends on)."""
     return {
         arch: (old.archs.get(arch), new.archs.get(arch))
         for arch in new.archs
-        if _short(old.archs.get(arch)) != _short(new.archs.get(arch))
+        if answer(old.archs.get(arch)) != answer(new.archs.get(arch))
     }
 
 

@@ -10,9 +10,10 @@ The steps, as a maintainer would do them by hand (see `flow.py`):
    commit per patch, then each new release as a commit on top (`workrepo`);
 4. carry each patch in series order: exact, at an offset, already upstream,
    or a 3-way merge by `git cherry-pick` (`carry`); stop on a conflict and
-   describe it (`conflicts`);
+   describe it (`conflicts`); each result is recorded as data (`ledger`) and
+   worded in one place (`fate`);
 5. land vendor/sglang, its lock, patches/ and CHANGELOG.md in one step,
-   guided by a journal (`finalize`, `changelog`);
+   guided by a journal (`landing`, `changelog`);
 6. write build/rebase/report.json and report.md (`report`).
 
 Everything --continue and --abort need is persisted after each step in the

@@ -21,7 +21,7 @@ new upstream no longer defines (or no longer parse) is a conflict too, with its
 change left uncommitted in the work tree for a person (names.py).
 
 A carried patch is committed on the tip and re-rendered in normal form
-against it, with its original header (finalize decides Last-Update).
+against it, with its original header (landing decides Last-Update).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ _FLIP = {"+": "-", "-": "+", " ": " "}
 @dataclass(frozen=True)
 class Outcome:
     status: Status
-    detail: str
+    reason: str  # why, in the tool's words; fate.detail adds what the status means
     commit: str = ""  # the carried patch's commit; "" when dropped or in conflict
     text: str = ""  # its normal form against the tip
     conflicts: tuple[Conflict, ...] = ()
@@ -70,8 +70,8 @@ def carry(
         return _dropped(f"upstream {version} already makes this change (the patch reverse-applies)")
     shifted = apply_to_worktree(repo, parsed, allow_offset=True)
     if shifted is not None:
-        detail = f"applies to {version} at shifted lines ({_offsets(shifted)}); refreshed"
-        return finish(repo, parsed, tip, renderer, "offset", detail)
+        reason = f"applies to {version} at shifted lines ({_offsets(shifted)}); refreshed"
+        return finish(repo, parsed, tip, renderer, "offset", reason)
     verdict = _reapply(repo, intent) if intent is not None else None
     if verdict is not None and verdict.status == "upstreamed":
         return _dropped(f"{verdict.detail} in {version}")
@@ -81,8 +81,8 @@ def carry(
         return _by_intent(repo, parsed, tip, target, renderer, verdict, merged)
     if merged:
         files = ", ".join(PurePosixPath(f.path).name for f in parsed.files)
-        detail = f"git merged it 3-way with upstream {version}'s changes to {files}; refreshed"
-        outcome = finish(repo, parsed, tip, renderer, "merged", detail)
+        reason = f"git merged it 3-way with upstream {version}'s changes to {files}; refreshed"
+        outcome = finish(repo, parsed, tip, renderer, "merged", reason)
         if outcome.status == "upstreamed":
             return _dropped(
                 f"upstream {version} already makes this change (the 3-way merge leaves an "
@@ -99,15 +99,15 @@ def carry(
     kinds = _resolve_cosmetic(repo)
     if kinds:
         where = ", ".join(f"{PurePosixPath(c.file).name}:{c.line}" for c in conflicts)
-        detail = (
+        reason = (
             f"the 3-way merge onto {version} conflicted only where {' and '.join(kinds)} "
             f"({where}); the tool kept both sides' changes (cosmetic.py); refreshed"
         )
-        return replace(finish(repo, parsed, tip, renderer, "merged", detail), conflicts=())
-    detail = _conflicts_detail(target.version, conflicts)
+        return replace(finish(repo, parsed, tip, renderer, "merged", reason), conflicts=())
+    reason = _conflicts_detail(target.version, conflicts)
     if verdict is not None:
-        detail += f"; its intent did not help: {verdict.detail}"
-    return Outcome("conflict", detail, conflicts=conflicts)
+        reason += f"; its intent did not help: {verdict.detail}"
+    return Outcome("conflict", reason, conflicts=conflicts)
 
 
 def _by_intent(
@@ -126,8 +126,8 @@ def _by_intent(
     repo.checkout(tip)
     for path, text in verdict.changes.items():
         (repo.root / path).write_bytes(text.encode("utf-8"))
-    detail = f"{verdict.detail} (its text no longer applies; {merge}); refreshed"
-    return replace(finish(repo, patch, tip, renderer, "resolved", detail), conflicts=conflicts)
+    reason = f"{verdict.detail} (its text no longer applies; {merge}); refreshed"
+    return replace(finish(repo, patch, tip, renderer, "resolved", reason), conflicts=conflicts)
 
 
 def checked(repo: WorkRepo, tip: str, outcome: Outcome, version: str, before: str) -> Outcome:
@@ -141,12 +141,12 @@ def checked(repo: WorkRepo, tip: str, outcome: Outcome, version: str, before: st
         return outcome
     repo.git("reset", "-q", "--mixed", tip)
     found = "; ".join(b.describe() for b in broken)
-    detail = (
+    reason = (
         f"it was carried ({outcome.status}), but its own lines break on {version}: {found}; "
         "upstream no longer defines what they use"
     )
     conflicts = tuple(Conflict(b.file, b.line, False, b.text, b.problem) for b in broken)
-    return Outcome("conflict", detail, conflicts=conflicts)
+    return Outcome("conflict", reason, conflicts=conflicts)
 
 
 def _resolve_cosmetic(repo: WorkRepo) -> list[str]:
@@ -173,7 +173,7 @@ def _conflicts_detail(version: str, conflicts: tuple[Conflict, ...]) -> str:
 
 
 def _dropped(why: str) -> Outcome:
-    return Outcome("upstreamed", f"{why}; dropped")
+    return Outcome("upstreamed", why)
 
 
 def finish(
@@ -182,7 +182,7 @@ def finish(
     tip: str,
     renderer: DiffRenderer,
     status: Status,
-    detail: str,
+    reason: str,
 ) -> Outcome:
     """Commit the work tree's change as `patch` on `tip` and render it in normal form."""
     commit = repo.commit_worktree(patch.name)
@@ -193,7 +193,7 @@ def finish(
     before = {path: repo.read(tip, path) for path in paths}
     after = {path: repo.read(commit, path) for path in paths}
     text = render_patch(patch.header, renderer.diff(before, after)).decode("utf-8")
-    return Outcome(status, detail, commit, text)
+    return Outcome(status, reason, commit, text)
 
 
 def _reapply(repo: WorkRepo, intent: Intent) -> Reapplied:

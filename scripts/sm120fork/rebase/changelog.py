@@ -18,24 +18,16 @@ entry goes above every earlier one:
 
 from __future__ import annotations
 
-from typing import Any
-
+from sm120fork.gates.diff import GateDiff
 from sm120fork.patches.lines import split_lines
-from sm120fork.rebase import gatefindings
-from sm120fork.rebase.ledger import first_break
-from sm120fork.rebase.state import PatchState, RebaseState, StepResult
+from sm120fork.rebase import fate, gatefindings
+from sm120fork.rebase.state import RebaseState
 from sm120fork.upstream import lock
 
 TITLE = "# Changelog\n"
-_FATE = {
-    "clean": "carried unchanged",
-    "offset": "refreshed (it applied at shifted lines)",
-    "merged": "merged with upstream's changes by a 3-way merge; refreshed",
-    "resolved": "re-applied from its intent (patches/intents.toml); refreshed",
-}
 
 
-def entry(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
+def entry(state: RebaseState, gates: GateDiff, today: str) -> str:
     """The new entry; with --step one per release walked, newest first."""
     if state.step_mode and state.release_gates is not None and len(state.targets) > 1:
         return _walk_entries(state, gates, today)
@@ -48,7 +40,7 @@ def entry(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
         f"was {state.from_version}.",
         "",
         "### Patches",
-        *(f"- `{patch.name}`: {_fate(patch, state.step_mode)}" for patch in state.patches),
+        *(f"- `{patch.name}`: {fate.overall(patch, state.step_mode)}" for patch in state.patches),
         "",
         "### Gates",
         *_gate_lines(gates),
@@ -56,7 +48,7 @@ def entry(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _walk_entries(state: RebaseState, gates: dict[str, list[Any]], today: str) -> str:
+def _walk_entries(state: RebaseState, gates: GateDiff, today: str) -> str:
     """Newest first: the release that lands, then each release walked on the way, each
     with what happened to every patch there and how its gates differ from the release
     before it (the report's `walk` section holds the same)."""
@@ -89,13 +81,13 @@ def _walk_entries(state: RebaseState, gates: dict[str, list[Any]], today: str) -
             *_patches_at(state, version),
             "",
             "### Gates",
-            *_gate_lines(state.release_gates.get(version, {}), before),
+            *_gate_lines(state.release_gates.get(version, GateDiff.empty()), before),
         ]
         if index == len(versions) - 1:
             lines += [
                 "",
                 f"### Across the walk from {state.from_version}",
-                *(f"- `{patch.name}`: {_fate(patch, True)}" for patch in state.patches),
+                *(f"- `{patch.name}`: {fate.overall(patch, True)}" for patch in state.patches),
                 *_gate_lines(gates, state.from_version),
             ]
         entries.append("\n".join(lines) + "\n")
@@ -107,50 +99,15 @@ def _patches_at(state: RebaseState, version: str) -> list[str]:
     for patch in state.patches:
         step = next((s for s in patch.steps if s.version == version), None)
         if step is None:
-            gone.append(f"`{patch.name}`")
+            gone.append(patch.name)
         else:
-            lines.append(f"- `{patch.name}`: {step_fate(step)}")
+            lines.append(f"- `{patch.name}`: {fate.at_release(step)}")
     if gone:
-        dropped = ", ".join(gone)
-        lines.append(f"- No longer in the series (dropped at an earlier release): {dropped}.")
+        lines.append(f"- {fate.gone(gone)}")
     return lines
 
 
-def step_fate(step: StepResult) -> str:
-    """What happened to a patch at one release, one sentence."""
-    said = step.note.rstrip(".") if step.note else "no reason given"
-    if step.by_hand and step.status == "upstreamed":
-        fate = f"conflicted; dropped by hand: {said}"
-    elif step.by_hand:
-        fate = f"conflicted; rewritten by hand (the tool could not: {said}); refreshed"
-    elif step.status == "upstreamed":
-        fate = f"dropped as upstreamed: {step.detail.removesuffix('; dropped')}"
-    else:
-        fate = _FATE.get(step.status, step.status)
-    return fate.rstrip(".") + "."
-
-
-def _fate(patch: PatchState, step_mode: bool) -> str:
-    hand = [step for step in patch.steps if step.by_hand]
-    last = patch.steps[-1] if patch.steps else None
-    if patch.status == "upstreamed" and last is not None and last.by_hand:
-        fate = f"dropped by hand at {last.version}: {last.note or 'no reason given'}"
-    elif patch.status == "upstreamed":
-        fate = f"dropped as upstreamed: {patch.detail.removesuffix('; dropped')}"
-    elif hand:
-        fate = "merged; conflict resolved by hand; refreshed"
-        notes = [f"{step.version}: {step.note.rstrip('.')}" for step in hand if step.note]
-        if notes:
-            fate += f" (why by hand: {'; '.join(notes)})"
-    else:
-        fate = _FATE.get(patch.status, patch.status)
-    found = first_break(patch.steps) if step_mode else None
-    if found and patch.status != "upstreamed":
-        fate += f" ({found[1]})"
-    return fate.rstrip(".") + "."
-
-
-def _gate_lines(gates: dict[str, list[Any]], since: str = "") -> list[str]:
+def _gate_lines(gates: GateDiff, since: str = "") -> list[str]:
     """The counts, then every gate whose answer for SM12x changed (the report has all)."""
     against = f" against {since}" if since else ""
     lines = [f"- Gates{against}: {gatefindings.summary(gates)} (the rebase report lists them)."]

@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK, FatalError
+from sm120fork.gates.diff import GateDiff
 from sm120fork.patches.stack import load_stack
 from sm120fork.paths import RepoPaths
-from sm120fork.rebase import finalize, gatefindings, phases, preconditions, report, targets
-from sm120fork.rebase.landing import land
-from sm120fork.rebase.run import Run, say
+from sm120fork.rebase import landing, phases, preconditions, report, targets
 from sm120fork.rebase.state import MemoryStore, PatchState, RebaseState, StateDir, Target
+from sm120fork.rebase.workspace import Workspace, say
 from sm120fork.upstream import lock, where
 
 
@@ -71,11 +71,11 @@ def _start(
             ),
         )
         if dry_run:
-            return _drive(Run(paths, Path(scratch), MemoryStore(), dry_run=True), state)
+            return _drive(Workspace(paths, Path(scratch), MemoryStore(), dry_run=True), state)
     area = paths.build_dir / "rebase"
     shutil.rmtree(area, ignore_errors=True)
     state_dir.create(state)
-    return _drive(Run(paths, area, state_dir), state)
+    return _drive(Workspace(paths, area, state_dir), state)
 
 
 def _up_to_date(paths: RepoPaths, version: str, git_url: str | None) -> int:
@@ -99,7 +99,7 @@ def resume(paths: RepoPaths, *, note: str = "", drop: str = "") -> int:
     state_dir = StateDir.of(paths.root)
     with state_dir.running():
         state = state_dir.load()
-        run = Run(paths, paths.build_dir / "rebase", state_dir)
+        workspace = Workspace(paths, paths.build_dir / "rebase", state_dir)
         if (note or drop) and state.phase != "conflict":
             option = "--drop" if drop else "--note"
             raise FatalError(
@@ -109,8 +109,8 @@ def resume(paths: RepoPaths, *, note: str = "", drop: str = "") -> int:
         if state.phase != "finalize":
             preconditions.check_resume(paths, state.fingerprint)
         if state.phase == "conflict":
-            state = phases.resolved(run, state, note=note, drop=drop)
-        return _drive(run, state)
+            state = phases.resolved(workspace, state, note=note, drop=drop)
+        return _drive(workspace, state)
 
 
 def abort(paths: RepoPaths) -> int:
@@ -123,16 +123,16 @@ def abort(paths: RepoPaths) -> int:
         except FatalError as error:  # a missing or damaged state must not block --abort
             say(f"warning: {error.message.rsplit('; ', 1)[0]}")
             state = None
-        run = Run(paths, paths.build_dir / "rebase", state_dir)
+        workspace = Workspace(paths, paths.build_dir / "rebase", state_dir)
         if state is not None and state.journal is not None:
             if state.journal.step == "swapped":
-                land(run, state)
+                landing.land(workspace, state)
                 raise FatalError(
                     "the rebase had already landed when it stopped, so it is now complete; "
                     "undo it with git (`git checkout -- vendor patches CHANGELOG.md`)"
                 )
-            finalize.undo(paths.root, state.journal)
-        shutil.rmtree(run.area, ignore_errors=True)
+            landing.undo(paths.root, state.journal)
+        shutil.rmtree(workspace.area, ignore_errors=True)
         state_dir.remove()
     if state is None:
         say(
@@ -144,24 +144,26 @@ def abort(paths: RepoPaths) -> int:
     return EXIT_OK
 
 
-def _drive(run: Run, state: RebaseState) -> int:
+def _drive(workspace: Workspace, state: RebaseState) -> int:
     if state.phase == "fetch":
-        state = phases.fetch(run, state)
+        state = phases.fetch(workspace, state)
     if state.phase == "prepare":
-        state = phases.prepare(run, state)
+        state = phases.prepare(workspace, state)
     if state.phase == "carry":
-        state = phases.carry_all(run, state)
+        state = phases.carry_all(workspace, state)
     if state.phase == "conflict":
-        return _stopped(run, state)
-    if run.dry_run:
-        return _predicted(run, state)
-    return land(run, state)
+        return _stopped(workspace, state)
+    if workspace.dry_run:
+        return _predicted(workspace, state)
+    return landing.land(workspace, state)
 
 
-def _predicted(run: Run, state: RebaseState) -> int:
+def _predicted(workspace: Workspace, state: RebaseState) -> int:
     """The end of a dry run: the report, and exit 1 if a patch would stop the rebase."""
-    state = run.release_gates(state)
-    _, md = report.write(run.reports, report.build(state, "dry-run", run.gates(state), None))
+    state = workspace.release_gates(state)
+    _, md = report.write(
+        workspace.reports, report.build(state, "dry-run", workspace.gates(state), None)
+    )
     stoppers = [patch for patch in state.patches if patch.status == "conflict"]
     for patch in stoppers:
         for conflict in patch.conflicts:
@@ -171,11 +173,11 @@ def _predicted(run: Run, state: RebaseState) -> int:
     return EXIT_FINDINGS if stoppers else EXIT_OK
 
 
-def _stopped(run: Run, state: RebaseState) -> int:
+def _stopped(workspace: Workspace, state: RebaseState) -> int:
     patch = state.patches[state.patch_index]
-    work = run.work.relative_to(run.paths.root)
-    built = report.build(state, "conflict", gatefindings.empty(), str(work))
-    _, md = report.write(run.reports, built)
+    work = workspace.work.relative_to(workspace.paths.root)
+    built = report.build(state, "conflict", GateDiff.empty(), str(work))
+    _, md = report.write(workspace.reports, built)
     for conflict in patch.conflicts:
         say(f"conflict: {conflict.file}:{conflict.line} (line of sglang {state.target.version})")
     say(

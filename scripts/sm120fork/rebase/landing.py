@@ -1,48 +1,231 @@
-"""Landing a finished rebase: stage, swap under the journal, clean up, report.
+"""Landing a finished rebase in one step: vendor/sglang, its lock, patches/, CHANGELOG.md.
 
-Resumable from any point: the journal in the state says how far it got (see
-finalize.py), and every step below is idempotent.
+`land` stages, swaps under the journal, cleans up and writes the report;
+resumable from any point: the journal in the state says how far it got, and
+every step is idempotent.
+
+What lands (`writers`): the new tree, its lock and manifest, patches/ and
+CHANGELOG.md. A patch whose diff did not change keeps its bytes,
+`Last-Update` included; a changed one gets `Last-Update` = today
+($SM120FORK_DATE). Upstreamed and dropped patches leave the series, patches/
+and patches/intents.toml.
+
+How it lands: each target is first written in full beside itself
+(`.<name>.rebase-new`), then swapped in with two renames (target ->
+`.<name>.rebase-old`, new -> target). The state's journal records the phase:
+`staging` (partial new copies may exist), `staged` (all new copies complete:
+swapping may have started), `swapped` (every target is new: only the old
+copies remain to delete). Which renames of a `staged` swap happened is read
+back from which of the three names exist, so --continue can finish a swap a
+crash cut short and --abort can undo it.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from pathlib import Path
 
-from sm120fork.errors import EXIT_OK
-from sm120fork.rebase import finalize, outputs, report
-from sm120fork.rebase.run import Run, say
-from sm120fork.rebase.state import RebaseState, crash_point
+from sm120fork.errors import EXIT_OK, FatalError
+from sm120fork.gates.diff import GateDiff
+from sm120fork.patches.lines import split_lines
+from sm120fork.patches.normalform import render_patch
+from sm120fork.patches.patchfile import parse_patch
+from sm120fork.patches.series import read_series
+from sm120fork.paths import RepoPaths
+from sm120fork.rebase import changelog, fate, report
+from sm120fork.rebase.state import Journal, PatchState, RebaseState, crash_point
+from sm120fork.rebase.workspace import Workspace, say
+from sm120fork.upstream import lock
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
-def land(run: Run, state: RebaseState) -> int:
-    root = run.paths.root
+def land(workspace: Workspace, state: RebaseState) -> int:
+    """Land `state` (its journal says how far an earlier attempt got); write the report."""
+    root = workspace.paths.root
     plan = state.journal
     if plan is None or plan.step == "staging":
-        state = run.release_gates(state)  # with --step, also the gates section below
-        gates = run.gates(state)
+        state = workspace.release_gates(state)  # with --step, also the gates section below
+        gates = workspace.gates(state)
         final = state.final.version
-        writers = outputs.writers(run.paths, state, run.tree(final), run.manifest(final), gates)
-        plan = finalize.journal(root, writers)
-        state = run.save(replace(state, journal=plan, gates=gates))
+        new = writers(
+            workspace.paths, state, workspace.tree(final), workspace.manifest(final), gates
+        )
+        plan = journal(root, new)
+        state = workspace.save(replace(state, journal=plan, gates=gates))
         say("staging vendor/sglang, its lock, patches/ and CHANGELOG.md")
-        finalize.stage(root, plan, writers, after_each=lambda: crash_point("mid-stage"))
+        stage(root, plan, new, after_each=lambda: crash_point("mid-stage"))
         plan = replace(plan, step="staged")
-        state = run.save(replace(state, journal=plan))
+        state = workspace.save(replace(state, journal=plan))
         crash_point("after-stage")
     if plan.step == "staged":
-        finalize.swap(root, plan, after_each=lambda: crash_point("mid-swap"))
+        swap(root, plan, after_each=lambda: crash_point("mid-swap"))
         plan = replace(plan, step="swapped")
-        state = run.save(replace(state, journal=plan))
+        state = workspace.save(replace(state, journal=plan))
         crash_point("after-swap")
-    finalize.discard_old(root, plan)
-    _, md = report.write(run.reports, report.build(state, "complete", run.gates(state), None))
-    shutil.rmtree(run.work, ignore_errors=True)
-    shutil.rmtree(run.area / "upstream", ignore_errors=True)
-    run.store.remove()
-    kept = sum(p.status != "upstreamed" for p in state.patches)
+    discard_old(root, plan)
+    _, md = report.write(
+        workspace.reports, report.build(state, "complete", workspace.gates(state), None)
+    )
+    shutil.rmtree(workspace.work, ignore_errors=True)
+    shutil.rmtree(workspace.area / "upstream", ignore_errors=True)
+    workspace.store.remove()
+    kept = sum(not fate.leaves_series(p.status) for p in state.patches)
     print(
         f"rebased onto sglang {state.final.version}: {kept} of {len(state.patches)} patches "
         f"carried; wrote vendor/sglang, its lock, patches/ and CHANGELOG.md; report {md}"
     )
     return EXIT_OK
+
+
+Writer = Callable[[Path], None]  # writes one target's new content at the given path
+
+
+def journal(root: Path, targets: Iterable[Path]) -> Journal:
+    """The journal of a swap of `targets` (paths under `root`), before staging starts."""
+    items = tuple((target.relative_to(root).as_posix(), target.exists()) for target in targets)
+    return Journal("staging", items)
+
+
+def new_copy(target: Path) -> Path:
+    return target.with_name(f".{target.name}.rebase-new")
+
+
+def old_copy(target: Path) -> Path:
+    return target.with_name(f".{target.name}.rebase-old")
+
+
+def stage(
+    root: Path,
+    plan: Journal,
+    writers: Mapping[Path, Writer],
+    after_each: Callable[[], None] = lambda: None,
+) -> None:
+    """Write every new copy, after removing what an interrupted staging left."""
+    for target, _ in plan.items:
+        new = new_copy(root / target)
+        _remove(new)
+        writers[root / target](new)
+        after_each()
+
+
+def swap(root: Path, plan: Journal, after_each: Callable[[], None] = lambda: None) -> None:
+    """Move every new copy into place (idempotent: resumes a half-done swap)."""
+    for target, existed in plan.items:
+        path = root / target
+        new, old = new_copy(path), old_copy(path)
+        if not new.exists():
+            continue  # swapped already
+        if existed and path.exists() and not old.exists():
+            path.rename(old)
+        new.rename(path)
+        after_each()
+
+
+def undo(root: Path, plan: Journal) -> None:
+    """Put every target back as it was before staging, whatever was swapped."""
+    for target, existed in plan.items:
+        path = root / target
+        new, old = new_copy(path), old_copy(path)
+        if old.exists():
+            _remove(path)
+            old.rename(path)
+        elif not existed and not new.exists():
+            _remove(path)  # a file the rebase created, already swapped in
+        _remove(new)
+
+
+def discard_old(root: Path, plan: Journal) -> None:
+    for target, _ in plan.items:
+        _remove(old_copy(root / target))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+INTENTS = "intents.toml"
+_INTENT = re.compile(r"^(?=\[\[intent\]\][ \t]*$)", re.MULTILINE)
+
+
+def writers(
+    paths: RepoPaths,
+    state: RebaseState,
+    new_tree: Path,
+    new_manifest: Path,
+    gates: GateDiff,
+) -> dict[Path, Writer]:
+    today = lock.today()
+
+    def tree(dest: Path) -> None:
+        shutil.copytree(new_tree, dest, symlinks=True)
+
+    def lock_file(dest: Path) -> None:
+        dest.write_bytes(state.final.lock_text.encode("utf-8"))
+
+    def manifest_file(dest: Path) -> None:
+        try:
+            shutil.copyfile(new_manifest, dest)
+        except FileNotFoundError:  # fetched by a tool from before the manifest
+            raise FatalError(
+                f"{new_manifest} is missing; run `rebase --abort`, then start the rebase again"
+            ) from None
+
+    def patches(dest: Path) -> None:
+        shutil.copytree(paths.patches_dir, dest, symlinks=True)
+        series = read_series(paths.series_file)
+        dropped = {patch.name for patch in state.patches if fate.leaves_series(patch.status)}
+        for patch in state.patches:
+            if patch.name in dropped:
+                (dest / patch.name).unlink()
+                series = series.without(patch.name)
+            else:
+                original = (paths.patches_dir / patch.name).read_bytes()
+                (dest / patch.name).write_bytes(patch_bytes(original, patch, today))
+        (dest / "series").write_bytes(series.render().encode("utf-8"))
+        intents = dest / INTENTS
+        if intents.is_file() and dropped:
+            text = intents.read_text("utf-8")
+            intents.write_bytes(without_intents(text, dropped).encode("utf-8"))
+
+    def changelog_file(dest: Path) -> None:
+        current = paths.changelog.read_text("utf-8") if paths.changelog.is_file() else None
+        text = changelog.insert(current, changelog.entry(state, gates, today))
+        dest.write_bytes(text.encode("utf-8"))
+
+    return {
+        paths.upstream_tree: tree,
+        paths.manifest_file: manifest_file,
+        paths.lock_file: lock_file,
+        paths.patches_dir: patches,
+        paths.changelog: changelog_file,
+    }
+
+
+def patch_bytes(original: bytes, patch: PatchState, today: str) -> bytes:
+    """The carried patch file: the original bytes if its diff is unchanged, else
+    the new diff under the original header with Last-Update = `today`."""
+    carried = patch.text.encode("utf-8")
+    if carried == original:
+        return original
+    parsed = parse_patch(carried, patch.name, patch.strip)
+    diff = "".join(split_lines(patch.text)[parsed.header_lines :])
+    return render_patch(parsed.header.with_last_update(today), diff)
+
+
+def without_intents(text: str, dropped: set[str]) -> str:
+    """patches/intents.toml without the `[[intent]]` blocks of `dropped` patches
+    (`check` refuses an intent for a patch the series lacks); the rest verbatim."""
+    head, *blocks = _INTENT.split(text)
+    kept = [b for b in blocks if tomllib.loads(b)["intent"][0].get("patch") not in dropped]
+    return head + "".join(kept)

@@ -14,19 +14,19 @@ from sm120fork.intent.model import load_intents
 from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.patches.patchfile import parse_patch
 from sm120fork.progress import Counter, Progress
-from sm120fork.rebase import ledger, targets
+from sm120fork.rebase import fate, ledger, targets
 from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, checked, finish
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
-from sm120fork.rebase.run import PREFIX, Run, say
 from sm120fork.rebase.state import RebaseState, crash_point
 from sm120fork.rebase.workrepo import WorkRepo
+from sm120fork.rebase.workspace import PREFIX, Workspace, say
 from sm120fork.upstream import lock
 
 
-def fetch(run: Run, state: RebaseState) -> RebaseState:
+def fetch(workspace: Workspace, state: RebaseState) -> RebaseState:
     """Download every target release not downloaded yet."""
-    locked = lock.read(run.paths.lock_file)
+    locked = lock.read(workspace.paths.lock_file)
     source = "git" if state.git_url else "the package index"
     for index, target in enumerate(state.targets):
         if not target.lock_text:
@@ -34,21 +34,21 @@ def fetch(run: Run, state: RebaseState) -> RebaseState:
             text = targets.fetch(
                 target.version,
                 git_url=state.git_url,
-                workdir=run.release_dir(target.version),
+                workdir=workspace.release_dir(target.version),
                 locked=locked,
                 progress=say,
             )
-            state = run.save(state.with_target(index, replace(target, lock_text=text)))
-    state = run.save(replace(state, phase="prepare"))
+            state = workspace.save(state.with_target(index, replace(target, lock_text=text)))
+    state = workspace.save(replace(state, phase="prepare"))
     crash_point("after-fetch")
     return state
 
 
-def prepare(run: Run, state: RebaseState) -> RebaseState:
+def prepare(workspace: Workspace, state: RebaseState) -> RebaseState:
     """The work repository: the pinned release, then one commit per patch."""
     say(f"committing sglang {state.from_version} and the series in a work repository")
-    repo = WorkRepo.create(run.work)
-    base = repo.commit_dir(run.paths.upstream_tree, None, f"sglang {state.from_version}")
+    repo = WorkRepo.create(workspace.work)
+    base = repo.commit_dir(workspace.paths.upstream_tree, None, f"sglang {state.from_version}")
     repo.checkout(base)
     patches = []
     for patch in state.patches:
@@ -59,38 +59,28 @@ def prepare(run: Run, state: RebaseState) -> RebaseState:
         if commit is None:
             raise FatalError(f"{patch.name} no longer applies to vendor/sglang; run `check`")
         patches.append(replace(patch, commit=commit))
-    state = run.save(replace(state, phase="carry", old_base=base, patches=tuple(patches)))
+    state = workspace.save(replace(state, phase="carry", old_base=base, patches=tuple(patches)))
     crash_point("after-prepare")
     return state
 
 
-_STRATEGY = {
-    "clean": "applies unchanged",
-    "offset": "at shifted lines, refreshed",
-    "merged": "3-way merge by git, refreshed",
-    "resolved": "re-applied by its intent",
-    "upstreamed": "upstream has it, dropped",
-    "conflict": "needs a person",
-}
-
-
-def carry_all(run: Run, state: RebaseState) -> RebaseState:
+def carry_all(workspace: Workspace, state: RebaseState) -> RebaseState:
     """Carry the series onto each target in turn; stop at a conflict (not in a dry run)."""
-    repo = WorkRepo(run.work)
+    repo = WorkRepo(workspace.work)
     with DiffRenderer() as renderer, Progress(PREFIX) as shown:
         releases = shown.add("releases", len(state.targets), state.release_index)
         patches = shown.add("patches", len(state.patches), state.patch_index)
         while state.release_index < len(state.targets):
             shown.update(releases, name=f"release sglang {state.target.version}")
-            state = _carry_release(run, repo, renderer, state, (shown, patches))
+            state = _carry_release(workspace, repo, renderer, state, (shown, patches))
             if state.phase == "conflict":
                 return state
             shown.update(releases, completed=state.release_index)
-    return run.save(replace(state, phase="finalize"))
+    return workspace.save(replace(state, phase="finalize"))
 
 
 def _carry_release(
-    run: Run,
+    workspace: Workspace,
     repo: WorkRepo,
     renderer: DiffRenderer,
     state: RebaseState,
@@ -101,20 +91,20 @@ def _carry_release(
     if not state.tip:
         target = state.target
         parent = state.targets[index - 1].base_commit if index else state.old_base
-        base = repo.commit_dir(run.tree(target.version), parent, f"sglang {target.version}")
+        base = repo.commit_dir(workspace.tree(target.version), parent, f"sglang {target.version}")
         state = state.with_target(index, replace(target, base_commit=base))
-        state = run.save(replace(state, tip=base, patch_index=0))
+        state = workspace.save(replace(state, tip=base, patch_index=0))
     repo.checkout(state.tip)  # also whatever a crash left in the work tree
     releases = len(state.targets)
     where = (
         f"release {index + 1}/{releases} sglang {state.target.version}: " if releases > 1 else ""
     )
-    intents = load_intents(run.paths.patches_dir / "intents.toml")
+    intents = load_intents(workspace.paths.patches_dir / "intents.toml")
     total = len(state.patches)
     shown.update(patches, completed=state.patch_index)
     for number in range(state.patch_index, total):
         patch = state.patches[number]
-        if patch.status in ("upstreamed", "conflict"):
+        if fate.leaves_series(patch.status) or patch.status == "conflict":
             shown.update(patches, completed=number + 1)
             continue  # dropped at an earlier release, or a dry run went past its conflict
         shown.update(patches, name=f"patch {patch.name}")
@@ -122,64 +112,71 @@ def _carry_release(
         outcome = checked(repo, state.tip, outcome, state.target.version, patch.commit)
         crash_point("mid-carry")
         state = ledger.record(state, number, outcome)
-        how = _STRATEGY.get(outcome.status, outcome.status)
+        how = fate.strategy(outcome.status)
         shown.line(
             f"{where}carrying patch {number + 1}/{total} {patch.name}: {outcome.status} ({how})"
         )
         shown.update(patches, completed=number + 1)
-        if outcome.status == "conflict" and run.dry_run:
+        if outcome.status == "conflict" and workspace.dry_run:
             repo.checkout(state.tip)  # predict the later patches without this one
         elif outcome.status == "conflict":
-            return run.save(replace(state, phase="conflict", patch_index=number))
-        state = run.save(replace(state, patch_index=number + 1, tip=outcome.commit or state.tip))
+            return workspace.save(replace(state, phase="conflict", patch_index=number))
+        state = workspace.save(
+            replace(state, patch_index=number + 1, tip=outcome.commit or state.tip)
+        )
         crash_point(f"after-patch-{number + 1}")
-    return run.save(replace(state, release_index=index + 1, patch_index=0, tip=""))
+    return workspace.save(replace(state, release_index=index + 1, patch_index=0, tip=""))
 
 
-def resolved(run: Run, state: RebaseState, *, note: str = "", drop: str = "") -> RebaseState:
+def resolved(
+    workspace: Workspace, state: RebaseState, *, note: str = "", drop: str = ""
+) -> RebaseState:
     """Finish the conflicted patch with the person's edits of the work tree, or drop it
     (`drop`: why upstream no longer needs it). `note` says why the tool could not."""
-    if not (run.work / ".git").is_dir():
-        raise FatalError(f"the work tree {run.work} is gone; run `rebase --abort` and start again")
-    repo = WorkRepo(run.work)
+    if not (workspace.work / ".git").is_dir():
+        raise FatalError(
+            f"the work tree {workspace.work} is gone; run `rebase --abort` and start again"
+        )
+    repo = WorkRepo(workspace.work)
     if repo.out("rev-parse", "HEAD") != state.tip:  # a crash after committing the resolution
         repo.git("reset", "-q", "--soft", state.tip)
     patch = state.patches[state.patch_index]
     version = state.target.version
     if drop:
         repo.checkout(state.tip)  # the person's edits, if any, go with the patch
-        outcome = Outcome("upstreamed", f"dropped by hand at {version}: {drop.rstrip('.')}")
+        outcome = Outcome("dropped", drop)
     else:
-        outcome = _finish_by_hand(run, repo, state)
+        outcome = _finish_by_hand(workspace, repo, state)
     crash_point("resolved")
     state = ledger.record(state, state.patch_index, outcome, note or drop)
-    say(f"{patch.name}: {outcome.status} ({outcome.detail})")
+    said = fate.detail(outcome.status, outcome.reason, version)
+    say(f"{patch.name}: {outcome.status} ({said})")
     tip = outcome.commit or state.tip
-    return run.save(replace(state, phase="carry", patch_index=state.patch_index + 1, tip=tip))
+    return workspace.save(replace(state, phase="carry", patch_index=state.patch_index + 1, tip=tip))
 
 
-def _finish_by_hand(run: Run, repo: WorkRepo, state: RebaseState) -> Outcome:
+def _finish_by_hand(workspace: Workspace, repo: WorkRepo, state: RebaseState) -> Outcome:
     patch = state.patches[state.patch_index]
     edited = sorted({c.file for c in patch.conflicts} | set(repo.dirty_paths()))
     left = remaining_markers(repo, edited)
     if left:
         more = f" and {len(left) - 3} more" if len(left) > 3 else ""
         raise FatalError(
-            f"conflict markers remain at {', '.join(left[:3])}{more} in {run.work}; "
+            f"conflict markers remain at {', '.join(left[:3])}{more} in {workspace.work}; "
             "edit them out, then run `rebase --continue`",
             EXIT_FINDINGS,
         )
     parsed = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
     with DiffRenderer() as renderer:
-        outcome = finish(repo, parsed, state.tip, renderer, "merged", ledger.HAND)
+        outcome = finish(repo, parsed, state.tip, renderer, "merged", fate.HAND)
     broken = broken_lines(repo, state.tip, outcome.commit, patch.commit) if outcome.commit else []
     if broken:
         repo.git("reset", "-q", "--mixed", state.tip)  # the edits stay for another try
         raise FatalError(
-            f"the resolution breaks: {'; '.join(b.describe() for b in broken)} in {run.work}; "
-            "fix it, then run `rebase --continue`",
+            f"the resolution breaks: {'; '.join(b.describe() for b in broken)} in "
+            f"{workspace.work}; fix it, then run `rebase --continue`",
             EXIT_FINDINGS,
         )
     if outcome.status == "upstreamed":
-        outcome = replace(outcome, detail="the conflict was resolved by hand to no change; dropped")
+        outcome = replace(outcome, reason=fate.TO_NOTHING)
     return outcome

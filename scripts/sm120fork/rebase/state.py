@@ -37,11 +37,14 @@ from typing import Any, Literal, Protocol
 from sm120fork import gitcmd
 from sm120fork.errors import FatalError
 from sm120fork.fsutil import atomic_write
+from sm120fork.gates.diff import GateDiff
 
 CRASH_ENV = "SM120FORK_REBASE_CRASH_AT"
-FORMAT = 1
+FORMAT = 2  # 2: a step keeps its reason; fate.py words it
 
-Status = Literal["clean", "offset", "merged", "resolved", "upstreamed", "conflict", "pending"]
+Status = Literal[
+    "clean", "offset", "merged", "resolved", "upstreamed", "dropped", "conflict", "pending"
+]
 Phase = Literal["fetch", "prepare", "carry", "conflict", "finalize"]
 
 
@@ -66,7 +69,7 @@ class StepResult:
     version: str
     status: Status
     by_hand: bool = False  # a conflict a person resolved
-    detail: str = ""  # what happened at this release (one sentence)
+    reason: str = ""  # why, in the tool's words, without the fate's (fate.step_detail)
     note: str = ""  # the person's word on a hand resolution: why the tool could not
 
 
@@ -93,7 +96,7 @@ class Target:
 
 @dataclass(frozen=True)
 class Journal:
-    """Progress of the final swap (see finalize.py)."""
+    """Progress of the final swap (see landing.py)."""
 
     step: Literal["staging", "staged", "swapped"]
     items: tuple[tuple[str, bool], ...]  # (target relative to the root, existed before)
@@ -113,9 +116,9 @@ class RebaseState:
     tip: str = ""  # work-repo commit: target tree + patches carried so far; "" before it exists
     journal: Journal | None = None
     fingerprint: str = ""  # what the rebase lands, as committed when it started
-    gates: dict[str, list[Any]] | None = None  # the report's gates section, once computed
+    gates: GateDiff | None = None  # the report's gates section, once computed
     # With --step: each release's gate findings against the release before it, once computed.
-    release_gates: dict[str, dict[str, list[Any]]] | None = None
+    release_gates: dict[str, GateDiff] | None = None
     format: int = FORMAT
 
     @property
@@ -138,7 +141,11 @@ class RebaseState:
 
 
 def dumps(state: RebaseState) -> str:
-    return json.dumps(dataclasses.asdict(state), indent=1, sort_keys=True) + "\n"
+    data = dataclasses.asdict(replace(state, gates=None, release_gates=None))
+    data["gates"] = None if state.gates is None else state.gates.to_json()
+    if state.release_gates is not None:
+        data["release_gates"] = {v: d.to_json() for v, d in state.release_gates.items()}
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
 def loads(text: str) -> RebaseState:
@@ -146,8 +153,13 @@ def loads(text: str) -> RebaseState:
     if data.get("format") != FORMAT:
         raise FatalError("the rebase state was written by another version of the tool; --abort")
     journal = data.pop("journal")
+    gates, release_gates = data.pop("gates"), data.pop("release_gates")
     return RebaseState(
         **{k: v for k, v in data.items() if k not in ("targets", "patches")},
+        gates=None if gates is None else GateDiff.from_json(gates),
+        release_gates=None
+        if release_gates is None
+        else {v: GateDiff.from_json(d) for v, d in release_gates.items()},
         targets=tuple(Target(**t) for t in data["targets"]),
         patches=tuple(_patch(p) for p in data["patches"]),
         journal=None

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sm120fork.gates.diff import GateDiff
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gatefindings
 from sm120fork.rebase.report import summary_line
@@ -45,10 +46,12 @@ def _summary(report: dict[str, Any]) -> tuple[str, ...]:
         lines = [summary_line(report)]
     except (KeyError, TypeError):
         return ()
-    gates = report.get("gates")
-    if isinstance(gates, dict):
-        lines.append("Gates: " + gatefindings.summary(gates) + ".")
-        lines += [f"SM12x answer changed: {line}" for line in gatefindings.sm12x_changes(gates)]
+    try:
+        gates = GateDiff.from_json(report["gates"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return tuple(lines)
+    lines.append("Gates: " + gatefindings.summary(gates) + ".")
+    lines += [f"SM12x answer changed: {line}" for line in gatefindings.sm12x_changes(gates)]
     return tuple(lines)
 
 

@@ -1,12 +1,17 @@
-"""What every phase of a rebase works with: where things are, how state is kept, progress."""
+"""Where a rebase works: what every phase is handed (`Workspace`), and its progress lines.
+
+Not `commands/rebase.run()`: the workspace is the rebase's area (build/rebase,
+or a temporary directory for --dry-run), the store its state is saved to, the
+releases fetched there and the gate findings computed from them.
+"""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
+from sm120fork.gates.diff import GateDiff
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gatefindings, targets
 from sm120fork.rebase.state import RebaseState, Store
@@ -20,7 +25,9 @@ def say(message: str) -> None:
 
 
 @dataclass(frozen=True)
-class Run:
+class Workspace:
+    """The rebase's area, the store of its state, and what is computed from them."""
+
     paths: RepoPaths
     area: Path  # build/rebase, or a temporary directory for --dry-run
     store: Store
@@ -48,7 +55,7 @@ class Run:
         self.store.save(state)
         return state
 
-    def gates(self, state: RebaseState) -> dict[str, list[Any]]:
+    def gates(self, state: RebaseState) -> GateDiff:
         """The report's gates section: the pinned release against the final target."""
         if state.gates is not None:
             return state.gates
