@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from sm120fork.gates.diff import GateDiff
 from sm120fork.gates.model import Gate
-from sm120fork.rebase.report import BODY_LIMIT, PatchEntry, Report, markdown
+from sm120fork.rebase.report import PatchEntry, Report
+from sm120fork.rebase.report_md import BODY_LIMIT, markdown
 
 
 def _report(gates: int) -> Report:

@@ -21,7 +21,7 @@ from sm120fork.errors import EXIT_FINDINGS, EXIT_OK, FatalError
 from sm120fork.gates.diff import GateDiff
 from sm120fork.patches.stack import load_stack
 from sm120fork.paths import RepoPaths
-from sm120fork.rebase import landing, phases, preconditions, report, targets
+from sm120fork.rebase import landing, phases, preconditions, report, report_md, targets
 from sm120fork.rebase.state import MemoryStore, PatchState, RebaseState, StateDir, Target
 from sm120fork.rebase.workspace import Workspace, say
 from sm120fork.upstream import lock, where
@@ -38,7 +38,7 @@ def start(paths: RepoPaths, spec: str, *, git_url: str | None, step: bool, dry_r
         except FatalError as error:
             refused = report.refused(_pinned_version(paths), spec, git_url, error.message)
             with contextlib.suppress(OSError):  # the error itself is what the person must see
-                report.write(paths.build_dir / "rebase", refused)
+                report_md.write(paths.build_dir / "rebase", refused)
             raise
 
 
@@ -81,7 +81,7 @@ def _start(
 def _up_to_date(paths: RepoPaths, version: str, git_url: str | None) -> int:
     """Nothing newer than the pinned release: success, in one line (the upstream watch
     runs `rebase latest` every day)."""
-    _, md = report.write(paths.build_dir / "rebase", report.up_to_date(version, git_url))
+    _, md = report_md.write(paths.build_dir / "rebase", report.up_to_date(version, git_url))
     print(f"up to date with sglang {version}: no newer release {where(git_url)}; report {md}")
     return EXIT_OK
 
@@ -161,7 +161,7 @@ def _drive(workspace: Workspace, state: RebaseState) -> int:
 def _predicted(workspace: Workspace, state: RebaseState) -> int:
     """The end of a dry run: the report, and exit 1 if a patch would stop the rebase."""
     state = workspace.release_gates(state)
-    _, md = report.write(
+    _, md = report_md.write(
         workspace.reports, report.build(state, "dry-run", workspace.gates(state), None)
     )
     stoppers = [patch for patch in state.patches if patch.status == "conflict"]
@@ -177,7 +177,7 @@ def _stopped(workspace: Workspace, state: RebaseState) -> int:
     patch = state.patches[state.patch_index]
     work = workspace.work.relative_to(workspace.paths.root)
     built = report.build(state, "conflict", GateDiff.empty(), str(work))
-    _, md = report.write(workspace.reports, built)
+    _, md = report_md.write(workspace.reports, built)
     for conflict in patch.conflicts:
         say(f"conflict: {conflict.file}:{conflict.line} (line of sglang {state.target.version})")
     say(

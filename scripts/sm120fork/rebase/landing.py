@@ -36,7 +36,7 @@ from sm120fork.patches.normalform import render_patch
 from sm120fork.patches.patchfile import parse_patch
 from sm120fork.patches.series import read_series
 from sm120fork.paths import RepoPaths
-from sm120fork.rebase import changelog, fate, report
+from sm120fork.rebase import changelog, fate, report, report_md
 from sm120fork.rebase.state import Journal, PatchState, RebaseState, crash_point
 from sm120fork.rebase.workspace import Workspace, say
 from sm120fork.upstream import lock
@@ -71,7 +71,7 @@ def land(workspace: Workspace, state: RebaseState) -> int:
         state = workspace.save(replace(state, journal=plan))
         crash_point("after-swap")
     discard_old(root, plan)
-    _, md = report.write(
+    _, md = report_md.write(
         workspace.reports, report.build(state, "complete", workspace.gates(state), None)
     )
     shutil.rmtree(workspace.work, ignore_errors=True)

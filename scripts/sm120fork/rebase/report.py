@@ -1,22 +1,17 @@
 """build/rebase/report.json and report.md (a PR description); see docs/contract.md.
 
 `build` (and `up_to_date`, `refused`) make a `Report` record; `Report.to_json`
-and `markdown` render it. `summary_line` reads a stored report.json (the
-review quotes one).
+renders the JSON, `report_md` the Markdown and the writing of both files.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from sm120fork.fsutil import atomic_write_many
 from sm120fork.gates.diff import GateDiff
 from sm120fork.rebase import fate, gatefindings
 from sm120fork.rebase.conflicts import gate_conditions
@@ -28,10 +23,6 @@ from sm120fork.rebase.state import Conflict, RebaseState, Status, StepResult
 Result = Literal["complete", "conflict", "dry-run", "up-to-date", "bad-input"]
 Source = Literal["pypi", "git"]
 JsonObject = dict[str, object]
-_DRY_RUN_NOTE = [
-    "A dry run goes on past a conflict: the patches after one were carried without it.",
-    "",
-]
 
 
 @dataclass(frozen=True)
@@ -226,37 +217,6 @@ def _patch_json(patch: PatchEntry) -> JsonObject:
     return entry
 
 
-def write(directory: Path, report: Report) -> tuple[Path, Path]:
-    json_path, md_path = directory / "report.json", directory / "report.md"
-    atomic_write_many(
-        {
-            json_path: (json.dumps(report.to_json(), indent=2) + "\n").encode("utf-8"),
-            md_path: markdown(report).encode("utf-8"),
-        }
-    )
-    return json_path, md_path
-
-
-# GitHub refuses a pull-request body over 65536 characters; the upstream watch uses
-# report.md as one, so the gate lists are shortened until it fits (report.json has all).
-BODY_LIMIT = 65_000
-
-
-def markdown(report: Report) -> str:
-    """report.md: whole gate lists if they fit in a pull-request body, else shortened."""
-    for listed in (None, 200, 50, 10, 0):
-        text = _markdown(report, listed)
-        if len(text) <= BODY_LIMIT:
-            return text
-    return text
-
-
-def summary_line(report: Mapping[str, Any]) -> str:
-    """The summary line of a stored report.json (see `Report.summary_line`)."""
-    statuses = (p["status"] for p in report["patches"])
-    return _summary_line(report["from"], report["to"], report["source"], report["result"], statuses)
-
-
 def _summary_line(
     pinned: str | None, to: str, source: str, result: str, statuses: Iterable[str]
 ) -> str:
@@ -268,112 +228,3 @@ def _summary_line(
         "dry-run": "dry run, nothing written",
     }.get(result, result)
     return f"From sglang {pinned} to {to} ({source}): **{outcome}**; {tally}."
-
-
-def _markdown(report: Report, listed: int | None) -> str:
-    if report.result == "up-to-date":
-        return (
-            f"# The sm120 series is up to date\n\nsglang {report.to} ({report.source}) "
-            "is the newest release: nothing to rebase.\n"
-        )
-    if report.result == "bad-input":
-        return (
-            f"# Rebase the sm120 series onto sglang {report.to}\n\n"
-            f"**Refused** (bad input), from sglang {report.from_version}: {report.error}\n"
-        )
-    stops = any(p.status == "conflict" for p in report.patches)
-    lines = [
-        f"# Rebase the sm120 series onto sglang {report.to}",
-        "",
-        report.summary_line(),
-        "",
-        *(_DRY_RUN_NOTE if report.result == "dry-run" and stops else []),
-        "| patch | status | what happened |",
-        "|---|---|---|",
-        *(f"| `{p.name}` | {p.status} | {_cell(p.detail)} |" for p in report.patches),
-    ]
-    lines += _walk_markdown(report.walk)
-    lines += _conflicts_markdown(report)
-    lines += ["", "## Gates", ""]
-    if report.result == "conflict":
-        return "\n".join([*lines, "Compared when the rebase completes.", ""])
-    gates = report.gates
-    lines += [gatefindings.summary(gates).capitalize() + ".", ""]
-    for line in gatefindings.sm12x_changes(gates):
-        lines.append(f"- SM12x answer changed: {line}")
-    for kind in KINDS:
-        found = gates.of_kind(kind)
-        if found:
-            listing = found if listed is None else found[:listed]
-            lines += ["", f"<details><summary>{kind} ({len(found)})</summary>", ""]
-            lines += [f"- {gatefindings.describe_gate(gate)}" for gate in listing]
-            if len(listing) < len(found):
-                lines.append(f"- ... and {len(found) - len(listing)} more in report.json")
-            lines += ["", "</details>"]
-    return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def _conflicts_markdown(report: Report) -> list[str]:
-    conflicted = [p for p in report.patches if p.conflicts]
-    if not conflicted:
-        return []
-    lines = ["", "## Conflicts", ""]
-    if report.work_tree:
-        lines += [
-            f"The work tree with conflict markers is `{report.work_tree}`: edit the "
-            "files there, then run `nox -s rebase -- --continue` (or `--abort`).",
-            "",
-        ]
-    for patch in conflicted:
-        how = " (resolved by its intent)" if patch.status == "resolved" else ""
-        for c in patch.conflicts:
-            gate = " (architecture gate)" if c.gate else ""
-            title = f"`{patch.name}`{how}: `{c.file}` line {c.line}{gate}"
-            lines += [f"### {title}", ""]
-            lines += _conditions_table(_conditions(c))
-            lines += ["Upstream (ours):", "", *_fenced(c.ours), ""]
-            lines += ["The patch (theirs):", "", *_fenced(c.theirs), ""]
-            if c.base:
-                lines += ["Before both, in the old upstream:", "", *_fenced(c.base), ""]
-    return lines
-
-
-def _walk_markdown(walk: tuple[Release, ...] | None) -> list[str]:
-    """Release by release: each patch's fate there, and the gate changes."""
-    if not walk:
-        return []
-    lines = ["", "## Release by release", ""]
-    for release in walk:
-        lines += [f"### sglang {release.version}", ""]
-        lines += [f"- `{name}`: {_cell(fate.at_release(s))}" for name, s in release.results]
-        lines += [f"- Gates: {gatefindings.summary(release.gates)}."]
-        changed = gatefindings.sm12x_changes(release.gates)
-        lines += [f"- SM12x answer changed: {line}" for line in changed]
-        lines.append("")
-    return lines
-
-
-def _conditions_table(conditions: _Conditions | None) -> list[str]:
-    if conditions is None:
-        return []
-    sides = (conditions.old_upstream, conditions.new_upstream, conditions.patch)
-    if not any(sides):
-        return []
-    rows = max(len(side) for side in sides)
-
-    def cell(values: list[str], i: int) -> str:
-        return f"`{_cell(values[i])}`" if i < len(values) else ""
-
-    lines = ["| old upstream | new upstream | the patch wanted |", "|---|---|---|"]
-    lines += [f"| {' | '.join(cell(side, i) for side in sides)} |" for i in range(rows)]
-    return [*lines, ""]
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _fenced(text: str) -> list[str]:
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return [f"{fence}python", *text.rstrip("\n").split("\n"), fence]

@@ -14,7 +14,7 @@ from typing import Any
 from sm120fork.gates.diff import GateDiff
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gatefindings
-from sm120fork.rebase.report import summary_line
+from sm120fork.rebase.report_md import summary_line
 from sm120fork.review.model import UpstreamReview
 from sm120fork.review.revs import read_text
 from sm120fork.review.side import Side
