@@ -36,20 +36,30 @@ def _answers(change: GateChange, archs: tuple[str, ...]) -> str:
     )
 
 
-def _sm12x(behaviour: BehaviourReview, gates: GateScan) -> list[str]:
+def _changed_rows(behaviour: BehaviourReview, archs: tuple[str, ...]) -> list[str]:
     found = []
     for change in behaviour.changed:
-        archs = tuple(a for a in change.archs if a in SM12X)
-        if archs:
-            moved = "; ".join(f"{a}: {change.old.cell(a)} -> {change.new.cell(a)}" for a in archs)
+        shown = tuple(a for a in change.archs if a in archs)
+        if shown:
+            moved = "; ".join(f"{a}: {change.old.cell(a)} -> {change.new.cell(a)}" for a in shown)
             found.append(f"row {_row(change.new)} ({moved})")
+    return found
+
+
+def _changed_gates(gates: GateScan, archs: tuple[str, ...]) -> list[str]:
+    return [
+        f"{_gate(change.new)} ({_answers(change, archs)})"
+        for change in (*gates.diff.changed, *gates.diff.moved)
+        if any(a in change.archs for a in archs)
+    ]
+
+
+def _sm12x(behaviour: BehaviourReview, gates: GateScan) -> list[str]:
+    found = _changed_rows(behaviour, SM12X)
     found += [f"new row {_row(r)} ({_cells(r, SM12X)})" for r in behaviour.added]
     found += [f"row removed: {_row(r)} (was {_cells(r, SM12X)})" for r in behaviour.removed]
-    diff = gates.diff
-    for gate_change in (*diff.changed, *diff.moved):
-        if any(a in gate_change.archs for a in SM12X):
-            found.append(f"{_gate(gate_change.new)} ({_answers(gate_change, SM12X)})")
-    for label, listed in (("new", diff.new), ("removed", diff.removed)):
+    found += _changed_gates(gates, SM12X)
+    for label, listed in (("new", gates.diff.new), ("removed", gates.diff.removed)):
         for gate in listed:
             answers = [gate.archs.get(a) for a in SM12X]
             if any(answer is not False for answer in answers):
@@ -59,16 +69,7 @@ def _sm12x(behaviour: BehaviourReview, gates: GateScan) -> list[str]:
 
 
 def _others(behaviour: BehaviourReview, gates: GateScan) -> list[str]:
-    found = []
-    for change in behaviour.changed:
-        archs = tuple(a for a in change.archs if a in OTHER_ARCHS)
-        if archs:
-            moved = "; ".join(f"{a}: {change.old.cell(a)} -> {change.new.cell(a)}" for a in archs)
-            found.append(f"row {_row(change.new)} ({moved})")
-    for gate_change in (*gates.diff.changed, *gates.diff.moved):
-        if any(a in gate_change.archs for a in OTHER_ARCHS):
-            found.append(f"{_gate(gate_change.new)} ({_answers(gate_change, OTHER_ARCHS)})")
-    return found
+    return _changed_rows(behaviour, OTHER_ARCHS) + _changed_gates(gates, OTHER_ARCHS)
 
 
 def _count(n: int, what: str) -> str:

@@ -1,8 +1,8 @@
 """Judge the expectation table against saved observations (`gate_harness judge`).
 
-For a maintainer editing rows: the same verdicts the matrix test reaches (patch
-rows must differ on pristine trees, every other row must match), read from
-`run --json` files instead of a fresh run, limited to the scenarios observed.
+For a maintainer editing rows: the verdict the matrix test reaches
+(`table.row_problem`), read from `run --json` files instead of a fresh run,
+limited to the scenarios observed.
 """
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ def verdicts(observations: table.Observations, pristine: bool) -> list[str]:
     for row in table.load_table(ARCHS).rows:
         if row.scenario not in observed_scenarios:
             continue
-        results = table.check_row(row, observations)
-        differing = [r for r in results if not r.ok]
-        if pristine and row.patch:
-            if not [r for r in differing if not r.blind]:
-                problems.append(f"{row.label}: names {row.patch} but pristine matches it")
-        elif differing:
-            problems.append(f"{row.label}: " + "; ".join(r.describe() for r in differing))
+        problem = table.row_problem(row, table.check_row(row, observations), pristine)
+        if problem is not None:
+            problems.append(f"{row.label}: {problem}")
     return problems
 
 

@@ -175,6 +175,29 @@ def check_row(row: Row, observations: Observations) -> list[CellResult]:
     return results
 
 
+def row_problem(row: Row, cells: Sequence[CellResult], pristine: bool) -> str | None:
+    """Why one row's cells on one tree break the table's rule, or None.
+
+    No cell may be blind, on any tree. On a pristine tree a row naming a patch must
+    differ somewhere (else it tests nothing); every other row must match.
+    """
+    blind = [c for c in cells if c.blind]
+    if blind:
+        return (
+            "the harness cannot observe this field (a probe found no equivalent gate, "
+            "or the scenario crashed in the harness): " + "; ".join(c.describe() for c in blind)
+        )
+    differing = [c for c in cells if not c.ok]
+    if pristine and row.patch:
+        if differing:
+            return None
+        return (
+            f"names patch {row.patch} but pristine sglang already matches every cell: "
+            "this row does not test the patch"
+        )
+    return "; ".join(c.describe() for c in differing) or None
+
+
 def toml_row(
     scenario: str,
     field: str,
