@@ -64,6 +64,7 @@ PHRASES = {
 class Resolved:
     kinds: tuple[str, ...]  # the rules used, in RULES order, deleted-file last
     phrases: tuple[str, ...]
+    deleted: tuple[str, ...] = ()  # the files upstream deleted, with the patch's hunks
 
 
 def resolve_block(
@@ -120,7 +121,7 @@ def resolve_worktree(repo: WorkRepo) -> Resolved | None:
         used.append(DELETED_FILE)
         names = ", ".join(PurePosixPath(p).name for p in sorted(deleted))
         phrases.append(f"upstream deleted {names} (the patch's hunks there go with it)")
-    return Resolved(tuple(used), tuple(phrases))
+    return Resolved(tuple(used), tuple(phrases), tuple(sorted(deleted)))
 
 
 def why_not(repo: WorkRepo) -> str:
@@ -132,7 +133,10 @@ def why_not(repo: WorkRepo) -> str:
         if stages == {1, 2}:
             found.append(f"the patch deletes {name}, which upstream changed")
             continue
-        if stages == {1, 3} or not file.is_file():
+        if stages == {1, 3}:
+            found.append(f"upstream deleted {name}, and nothing else of the patch is left")
+            continue
+        if not file.is_file():
             continue
         blocks = [
             s
