@@ -138,6 +138,18 @@ def test_code_that_left_its_file_is_re_applied_where_it_went(
     assert f"+++ b/{OVERRIDES}" in text and "+    v_4 = 'sm120'\n" in text and SA not in text
 
 
+def test_lines_edited_at_home_and_copied_elsewhere_are_no_move(
+    request: pytest.FixtureRequest,
+) -> None:
+    v9 = edited(BASE, (SA, "x_70 = 70\n", "class ServerArgs:\n    def _moe(self):\n" + METHOD))
+    v10 = edited(v9, (SA, "        v_3 = 3\n", "        v_3 = 'upstream'\n"))
+    v10[OVERRIDES] = "def _moe(args):\n" + MOVED  # a new copy; the original stays
+    series = [("0001-a.patch", [(SA, "        v_4 = 4\n", "        v_4 = 'sm120'\n")])]
+    fork, patch = _carry(request, v10, series, v9)
+    assert (patch["status"], patch["strategy"]) == ("merged", "adjacent-edits")
+    assert OVERRIDES not in fork.read("patches/0001-a.patch")
+
+
 def test_lines_that_were_in_another_file_all_along_are_no_move(
     request: pytest.FixtureRequest,
 ) -> None:

@@ -22,7 +22,7 @@ from sm120fork.patches.applier import Overlay
 from sm120fork.patches.diffs import Hunk
 from sm120fork.patches.lines import split_lines
 from sm120fork.rebase import resolutions
-from sm120fork.rebase.strategy import CarryContext
+from sm120fork.rebase.strategy import CarryContext, text_of
 
 _Def = ast.FunctionDef | ast.AsyncFunctionDef
 
@@ -47,7 +47,7 @@ def merge(
 ) -> Moved | None:
     """Merge the patch's change of function `name` of `home` into the one other file that
     now defines it; the file's new text is written to `overlay`."""
-    if _segment(overlay.read(home) or "", name) is not None:
+    if _segment(text_of(overlay, home), name) is not None:
         return None  # it is still at home: not a move
     base = _segment(ctx.repo.read(f"{ctx.previous}^", home) or "", name)
     theirs = _segment(ctx.repo.read(ctx.previous, home) or "", name)
@@ -55,7 +55,7 @@ def merge(
         return None
     places = []
     for path in candidates:
-        text = overlay.read(path) or ""
+        text = text_of(overlay, path)
         if path == home or f"def {name}(" not in text:
             continue
         if _segment(ctx.repo.read(ctx.previous, path) or "", name) is None:

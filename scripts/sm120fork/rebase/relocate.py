@@ -23,7 +23,7 @@ from pathlib import PurePosixPath
 from sm120fork.patches.applier import ApplyError, Overlay, apply_file, write_changes
 from sm120fork.patches.diffs import FileDiff, Hunk, HunkLine
 from sm120fork.rebase.movedfunction import enclosing, merge
-from sm120fork.rebase.strategy import CarriedPatch, CarryContext, Outcome, finish
+from sm120fork.rebase.strategy import CarriedPatch, CarryContext, Outcome, finish, text_of
 
 _DEF = re.compile(r"^\s*(?:async\s+)?def\s+(\w+)")
 _MIN_LINES = 2  # non-blank old lines a hunk needs to be looked for elsewhere
@@ -103,11 +103,13 @@ def _find(
     if sum(bool(line.strip()) for line in old) < _MIN_LINES:
         return None
     probe = max((line.strip() for line in old), key=len)
+    if probe in text_of(overlay, home):
+        return None  # its most telling line is still at home: edited there, not moved
     places: list[Place] = []
     for path in candidates:
         if path == home:
             continue
-        text = overlay.read(path) or ""
+        text = text_of(overlay, path)
         if probe not in text:
             continue
         before = ctx.repo.read(ctx.previous, path) or ""
@@ -174,7 +176,7 @@ def _reindent(text: str, shift: int) -> str | None:
 
 
 def _enclosing(overlay: Overlay, place: Place) -> str | None:
-    lines = (overlay.read(place.path) or "").splitlines()
+    lines = text_of(overlay, place.path).splitlines()
     indent = _indent(lines[place.start]) if place.start < len(lines) else 0
     for line in reversed(lines[: place.start]):
         found = _DEF.match(line)

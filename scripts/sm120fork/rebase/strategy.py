@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
+from sm120fork.errors import FatalError
 from sm120fork.intent.model import Intent
 from sm120fork.patches.applier import ApplyError, Overlay, PatchResult, apply_patch, write_changes
 from sm120fork.patches.diffs import FileDiff, Hunk, HunkLine
@@ -95,6 +96,15 @@ def finish(
     after = {path: repo.read(commit, path) for path in paths}
     text = render_patch(patch.header, ctx.renderer.diff(before, after)).decode("utf-8")
     return Outcome(status, reason, commit, text, strategy=strategy)
+
+
+def text_of(overlay: Overlay, path: str) -> str:
+    """The file's text; "" when absent, or not text the tool may read (a link out of
+    the tree, not UTF-8): such a file is no place code moved to."""
+    try:
+        return overlay.read(path) or ""
+    except FatalError:
+        return ""
 
 
 def apply_to_worktree(
