@@ -4,10 +4,14 @@ and the conflicts no rule may decide."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
+from forkrepo import make_patch
 from rebasefork import BASE, COMM, SA, RebaseFork, edited, make_rebase_fork
+from sm120fork.patches.patchfile import PatchFile, parse_patch
+from sm120fork.rebase import strategy
 from sm120fork.rebase.platformhelper import FACTS
 from sm120fork.rebase.resolutions import resolve_block
 
@@ -255,3 +259,20 @@ def test_the_platform_facts_of_the_removed_helpers() -> None:
     assert FACTS["is_sm120_supported"] == "is_sm120"
     assert FACTS["is_sm100_supported"] == "is_sm100"
     assert "is_sm120" not in FACTS  # utils.is_sm120() is 12.0 only: no platform fact is
+
+
+def test_a_patch_text_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = make_patch("a", BASE, edited(BASE, (SA, "x_2 = 2\n", "x_2 = 'f'\n")))
+    loaded = parse_patch(text.encode(), "0001-a.patch", 1)  # as load_stack does
+    calls: list[str] = []
+
+    def counted(raw: bytes, name: str, strip: int = 1) -> PatchFile:
+        calls.append(name)
+        return parse_patch(raw, name, strip)
+
+    monkeypatch.setattr(strategy, "parse_patch", counted)
+    state = strategy.state_of(loaded)
+    assert strategy.parsed(state) is loaded and calls == []  # the series' own parse
+    refreshed = replace(state, text=text.replace("x_2 = 'f'", "x_2 = 'g'"))
+    assert strategy.parsed(refreshed) is strategy.parsed(refreshed)
+    assert calls == ["0001-a.patch"]  # a new text: parsed once
