@@ -50,7 +50,10 @@ def test_upstream_changing_the_condition_the_patch_sits_under_is_a_judgement(
     series = [("0001-a.patch", [(SA, "    x = 1\n", "    guard()\n    x = 1\n")])]
     _, patch = _carry(request, v10, series, v9)
     assert patch["status"] == "conflict"
-    assert "a judgement, not a rule: in server_args.py, 1 block where both" in patch["detail"]
+    assert (
+        "a judgement, not a rule: in server_args.py, 1 block where upstream changed a line "
+        "that opens a block or tests the architecture, next to the patch's"
+    ) in patch["detail"]
 
 
 def test_a_docstring_rewritten_to_fewer_lines_above_the_patch(

@@ -144,7 +144,8 @@ def why_not(repo: WorkRepo) -> str:
             if not isinstance(s, str)
         ]
         stuck = [b for b in blocks if resolve_block(b.ours, b.base, b.theirs) is None]
-        if stuck:
-            count = f"{len(stuck)} block{'s' if len(stuck) != 1 else ''}"
-            found.append(f"in {name}, {count} where both sides change the same lines")
+        whys = [adjacent.why_not(b.ours, b.base, b.theirs) for b in stuck]
+        for why in dict.fromkeys(whys):
+            count = whys.count(why)
+            found.append(f"in {name}, {count} block{'s' if count != 1 else ''} where {why}")
     return "; ".join(found)
