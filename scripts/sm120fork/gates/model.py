@@ -12,10 +12,7 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-# What one architecture's evaluation of a condition can be: True, False,
-# "depends: a, b" naming the non-architecture inputs it still depends on, or
-# "raises KeyError in TABLE[major]" when evaluating it fails on that architecture.
-ArchResult = bool | str
+from sm120fork.gates.answer import Answer
 
 DECISIONS = ("patched", "excluded", "included", "upstream-ok", "open")
 UNREVIEWED = "unreviewed"
@@ -84,7 +81,7 @@ class Gate:
     function: str  # qualified: Class.method, outer.inner, <module>
     kind: str  # if, elif, while, ternary, assert, return, flag, assign, expr, comprehension
     condition: str  # ast.unparse of the condition
-    archs: dict[str, ArchResult]
+    archs: dict[str, Answer]  # architecture -> its answer
     occurrence: int = 0  # index among gates with the same file, function, condition
     within: str | None = None  # test of the innermost enclosing `if` (tells repeats apart)
     guarded: Guarded = field(default_factory=Guarded, compare=False, repr=False)
@@ -121,7 +118,7 @@ class Gate:
             "condition": self.condition,
             "occurrence": self.occurrence,
             "within": self.within,
-            "archs": dict(self.archs),
+            "archs": {arch: answer.to_json() for arch, answer in self.archs.items()},
             "decision": self.decision,
             "patch": self.patch,
             "reason": self.reason,
@@ -139,7 +136,7 @@ class Gate:
             function=data["function"],
             kind=data.get("kind", "if"),
             condition=data["condition"],
-            archs=dict(data["archs"]),
+            archs={arch: Answer.from_json(value) for arch, value in data["archs"].items()},
             occurrence=int(data.get("occurrence", 0)),
             within=data.get("within"),
             decision=data.get("decision", UNREVIEWED),
