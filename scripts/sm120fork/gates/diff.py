@@ -21,10 +21,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from sm120fork import jsondata
 from sm120fork.gates.answer import Answer, Word, word
 from sm120fork.gates.model import SM12X, UNREVIEWED, Gate, Inventory
+from sm120fork.jsondata import JsonObject
 
 # An architecture's (old answer, new answer); None where a gate has no answer for it.
 AnswerPair = tuple[Answer | None, Answer | None]
@@ -52,7 +53,7 @@ class GateChange:
                 notes.append(f"{arch}: {word(before)} -> {word(after)}")
         return "; ".join(notes)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "old": self.old.to_json(),
             "new": self.new.to_json(),
@@ -62,14 +63,18 @@ class GateChange:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> GateChange:
+    def from_json(cls, data: JsonObject) -> GateChange:
         """Read back `to_json()` (the guarded code is not stored)."""
+        score = data["score"]
+        if isinstance(score, bool) or not isinstance(score, (int, float, str)):
+            raise TypeError(f"score: expected a number, not {type(score).__name__}")
         return cls(
-            old=Gate.from_json(data["old"]),
-            new=Gate.from_json(data["new"]),
-            score=float(data["score"]),
+            old=Gate.from_json(jsondata.obj(data["old"])),
+            new=Gate.from_json(jsondata.obj(data["new"])),
+            score=float(score),
             archs={
-                arch: (_answer(pair[0]), _answer(pair[1])) for arch, pair in data["archs"].items()
+                arch: _answers_of(jsondata.array(pair))
+                for arch, pair in jsondata.obj(data["archs"]).items()
             },
         )
 
@@ -82,7 +87,7 @@ class GateDiff:
     moved: tuple[GateChange, ...]
     unreviewed: tuple[Gate, ...]
 
-    def to_json(self) -> dict[str, list[dict[str, Any]]]:
+    def to_json(self) -> dict[str, list[dict[str, object]]]:
         """The `gates` object of the rebase report (docs/contract.md)."""
         return {
             "new": [g.to_json() for g in self.new],
@@ -93,14 +98,18 @@ class GateDiff:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, list[dict[str, Any]]]) -> GateDiff:
+    def from_json(cls, data: JsonObject) -> GateDiff:
         """Read back `to_json()`; a kind left out is empty."""
+
+        def listed(kind: str) -> list[JsonObject]:
+            return [jsondata.obj(item) for item in jsondata.array(data.get(kind, []))]
+
         return cls(
-            new=tuple(Gate.from_json(g) for g in data.get("new", [])),
-            removed=tuple(Gate.from_json(g) for g in data.get("removed", [])),
-            changed=tuple(GateChange.from_json(c) for c in data.get("changed", [])),
-            moved=tuple(GateChange.from_json(c) for c in data.get("moved", [])),
-            unreviewed=tuple(Gate.from_json(g) for g in data.get("unreviewed", [])),
+            new=tuple(Gate.from_json(g) for g in listed("new")),
+            removed=tuple(Gate.from_json(g) for g in listed("removed")),
+            changed=tuple(GateChange.from_json(c) for c in listed("changed")),
+            moved=tuple(GateChange.from_json(c) for c in listed("moved")),
+            unreviewed=tuple(Gate.from_json(g) for g in listed("unreviewed")),
         )
 
     @classmethod
@@ -123,8 +132,9 @@ def _json(answer: Answer | None) -> bool | str | None:
     return None if answer is None else answer.to_json()
 
 
-def _answer(value: object) -> Answer | None:
-    return None if value is None else Answer.from_json(value)
+def _answers_of(pair: list[object]) -> AnswerPair:
+    old, new = (None if value is None else Answer.from_json(value) for value in pair)
+    return old, new
 
 
 _CAMEL = re.compile(r"[A-Z]+[a-z0-9]*|[a-z0-9]+")

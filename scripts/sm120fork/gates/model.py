@@ -12,7 +12,9 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+from sm120fork import jsondata
 from sm120fork.gates.answer import Answer
+from sm120fork.jsondata import JsonObject
 
 DECISIONS = ("patched", "excluded", "included", "upstream-ok", "open")
 UNREVIEWED = "unreviewed"
@@ -108,7 +110,7 @@ class Gate:
     def with_changes(self, **changes: Any) -> Gate:
         return replace(self, **changes)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "id": self.id,
             "file": self.file,
@@ -128,23 +130,24 @@ class Gate:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Gate:
+    def from_json(cls, data: JsonObject) -> Gate:
         """Read back one object of gates.json (the guarded code is not stored)."""
+        archs = jsondata.obj(data["archs"])
         return cls(
-            file=data["file"],
-            line=int(data["line"]),
-            function=data["function"],
-            kind=data.get("kind", "if"),
-            condition=data["condition"],
-            archs={arch: Answer.from_json(value) for arch, value in data["archs"].items()},
-            occurrence=int(data.get("occurrence", 0)),
-            within=data.get("within"),
-            decision=data.get("decision", UNREVIEWED),
-            patch=data.get("patch"),
-            reason=data.get("reason"),
-            evidence=tuple(data.get("evidence", ())),
-            wrongly_included=bool(data.get("wrongly_included", False)),
-            wrongly_included_token=data.get("wrongly_included_token"),
+            file=jsondata.text(data, "file"),
+            line=jsondata.integer(data, "line"),
+            function=jsondata.text(data, "function"),
+            kind=jsondata.text(data, "kind", "if"),
+            condition=jsondata.text(data, "condition"),
+            archs={arch: Answer.from_json(value) for arch, value in archs.items()},
+            occurrence=jsondata.integer(data, "occurrence", 0),
+            within=jsondata.optional_text(data, "within"),
+            decision=jsondata.text(data, "decision", UNREVIEWED),
+            patch=jsondata.optional_text(data, "patch"),
+            reason=jsondata.optional_text(data, "reason"),
+            evidence=jsondata.texts(data, "evidence"),
+            wrongly_included=jsondata.flag(data, "wrongly_included"),
+            wrongly_included_token=jsondata.optional_text(data, "wrongly_included_token"),
         )
 
 
