@@ -18,7 +18,7 @@ from pathlib import Path
 from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.fsutil import swap_back, swap_in
 from sm120fork.paths import RepoPaths
-from sm120fork.upstream import SPEC_HELP, fetch_release, lock, manifest
+from sm120fork.upstream import SPEC_HELP, UpstreamSource, fetch_release, lock, manifest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         release = fetch_release(
             args.version,
-            git_url=args.upstream_git,
+            source=UpstreamSource(args.upstream_git),
             workdir=staging / "work",
             progress=_progress,
             locked=locked,

@@ -27,13 +27,12 @@ from sm120fork.upstream import lock
 def fetch(workspace: Workspace, state: RebaseState) -> RebaseState:
     """Download every target release not downloaded yet."""
     locked = lock.read(workspace.paths.lock_file)
-    source = "git" if state.git_url else "the package index"
     for index, target in enumerate(state.targets):
         if not target.lock_text:
-            say(f"fetching sglang {target.version} from {source}")
+            say(f"fetching sglang {target.version} from {state.source.name}")
             text = targets.fetch(
                 target.version,
-                git_url=state.git_url,
+                source=state.source,
                 workdir=workspace.release_dir(target.version),
                 locked=locked,
                 progress=say,

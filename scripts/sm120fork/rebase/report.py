@@ -20,6 +20,7 @@ from sm120fork.rebase.conflicts import gate_conditions
 from sm120fork.rebase.gatefindings import KINDS
 from sm120fork.rebase.ledger import shown
 from sm120fork.rebase.state import Conflict, RebaseState, Status, StepResult
+from sm120fork.upstream import UpstreamSource
 
 # How a `rebase VERSION` ended; the upstream watch reads this, not the exit code.
 Result = Literal["complete", "conflict", "dry-run", "up-to-date", "bad-input"]
@@ -134,7 +135,7 @@ def build(state: RebaseState, result: Result, gates: GateDiff, work_tree: str | 
     return Report(
         from_version=state.from_version,
         to=state.final.version,
-        source="git" if state.git_url else "pypi",
+        source=state.source.kind,
         result=result,
         patches=tuple(_patch(state, index) for index in range(len(state.patches))),
         gates=gates,
@@ -144,15 +145,15 @@ def build(state: RebaseState, result: Result, gates: GateDiff, work_tree: str | 
     )
 
 
-def up_to_date(version: str, git_url: str | None) -> Report:
+def up_to_date(version: str, source: UpstreamSource) -> Report:
     """The pinned release is the newest: nothing carried, nothing compared."""
-    return Report(version, version, "git" if git_url else "pypi", "up-to-date")
+    return Report(version, version, source.kind, "up-to-date")
 
 
-def refused(pinned: str | None, spec: str, git_url: str | None, error: str) -> Report:
+def refused(pinned: str | None, spec: str, source: UpstreamSource, error: str) -> Report:
     """A rebase refused before it began, or stopped by bad input (exit 2): `to` is the
     release as asked for, `error` the one line the command printed."""
-    return Report(pinned, spec, "git" if git_url else "pypi", "bad-input", error=error)
+    return Report(pinned, spec, source.kind, "bad-input", error=error)
 
 
 def _walk(state: RebaseState, release_gates: Mapping[str, GateDiff]) -> tuple[Release, ...]:

@@ -38,6 +38,7 @@ from sm120fork import gitcmd
 from sm120fork.errors import FatalError
 from sm120fork.fsutil import atomic_write
 from sm120fork.gates.diff import GateDiff
+from sm120fork.upstream.source import UpstreamSource
 
 CRASH_ENV = "SM120FORK_REBASE_CRASH_AT"
 FORMAT = 2  # 2: a step keeps its reason; fate.py words it
@@ -105,7 +106,7 @@ class Journal:
 @dataclass(frozen=True)
 class RebaseState:
     from_version: str
-    git_url: str | None
+    git_url: str | None  # stored as given; read it as `source`
     step_mode: bool
     phase: Phase
     targets: tuple[Target, ...]
@@ -120,6 +121,10 @@ class RebaseState:
     # With --step: each release's gate findings against the release before it, once computed.
     release_gates: dict[str, GateDiff] | None = None
     format: int = FORMAT
+
+    @property
+    def source(self) -> UpstreamSource:
+        return UpstreamSource(self.git_url)
 
     @property
     def target(self) -> Target:
