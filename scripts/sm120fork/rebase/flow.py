@@ -38,7 +38,7 @@ def start(paths: RepoPaths, spec: str, *, source: UpstreamSource, step: bool, dr
         except FatalError as error:
             refused = report.refused(_pinned_version(paths), spec, source, error.message)
             with contextlib.suppress(OSError):  # the error itself is what the person must see
-                report_md.write(paths.build_dir / "rebase", refused)
+                report_md.write(paths.rebase_dir, refused)
             raise
 
 
@@ -72,7 +72,7 @@ def _start(
         )
         if dry_run:
             return _drive(Workspace(paths, Path(scratch), MemoryStore(), dry_run=True), state)
-    area = paths.build_dir / "rebase"
+    area = paths.rebase_dir
     shutil.rmtree(area, ignore_errors=True)
     state_dir.create(state)
     return _drive(Workspace(paths, area, state_dir), state)
@@ -81,7 +81,7 @@ def _start(
 def _up_to_date(paths: RepoPaths, version: str, source: UpstreamSource) -> int:
     """Nothing newer than the pinned release: success, in one line (the upstream watch
     runs `rebase latest` every day)."""
-    _, md = report_md.write(paths.build_dir / "rebase", report.up_to_date(version, source))
+    _, md = report_md.write(paths.rebase_dir, report.up_to_date(version, source))
     print(f"up to date with sglang {version}: no newer release {source.where}; report {md}")
     return EXIT_OK
 
@@ -99,7 +99,7 @@ def resume(paths: RepoPaths, *, note: str = "", drop: str = "") -> int:
     state_dir = StateDir.of(paths.root)
     with state_dir.running():
         state = state_dir.load()
-        workspace = Workspace(paths, paths.build_dir / "rebase", state_dir)
+        workspace = Workspace(paths, paths.rebase_dir, state_dir)
         if (note or drop) and state.phase != "conflict":
             option = "--drop" if drop else "--note"
             raise FatalError(
@@ -123,7 +123,7 @@ def abort(paths: RepoPaths) -> int:
         except FatalError as error:  # a missing or damaged state must not block --abort
             say(f"warning: {error.message.rsplit('; ', 1)[0]}")
             state = None
-        workspace = Workspace(paths, paths.build_dir / "rebase", state_dir)
+        workspace = Workspace(paths, paths.rebase_dir, state_dir)
         if state is not None and state.journal is not None:
             if state.journal.step == "swapped":
                 landing.land(workspace, state)

@@ -139,7 +139,6 @@ def discard_old(root: Path, plan: Journal) -> None:
         remove(old_copy(root / target))
 
 
-INTENTS = "intents.toml"
 _INTENT = re.compile(r"^(?=\[\[intent\]\][ \t]*$)", re.MULTILINE)
 
 
@@ -178,7 +177,7 @@ def writers(
                 original = (paths.patches_dir / patch.name).read_bytes()
                 (dest / patch.name).write_bytes(patch_bytes(original, patch, today))
         (dest / "series").write_bytes(series.render().encode("utf-8"))
-        intents = dest / INTENTS
+        intents = dest / paths.intents_file.relative_to(paths.patches_dir)  # staged patches/
         if intents.is_file() and dropped:
             text = intents.read_text("utf-8")
             intents.write_bytes(without_intents(text, dropped).encode("utf-8"))

@@ -98,7 +98,7 @@ def _carry_release(
     where = (
         f"release {index + 1}/{releases} sglang {state.target.version}: " if releases > 1 else ""
     )
-    intents = load_intents(workspace.paths.patches_dir / "intents.toml")
+    intents = load_intents(workspace.paths.intents_file)
     total = len(state.patches)
     shown.update(patches, completed=state.patch_index)
     for number in range(state.patch_index, total):
