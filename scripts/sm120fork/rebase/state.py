@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from sm120fork import gitcmd
+from sm120fork import gitcmd, jsondata
 from sm120fork.errors import FatalError
 from sm120fork.fsutil import atomic_write
 from sm120fork.gates.diff import GateDiff
@@ -154,6 +154,8 @@ def dumps(state: RebaseState) -> str:
 
 
 def loads(text: str) -> RebaseState:
+    # The records are read by their fields' names; the gates, which the report shows,
+    # through their typed reader.
     data: dict[str, Any] = json.loads(text)
     if data.get("format") != FORMAT:
         raise FatalError("the rebase state was written by another version of the tool; --abort")
@@ -161,10 +163,10 @@ def loads(text: str) -> RebaseState:
     gates, release_gates = data.pop("gates"), data.pop("release_gates")
     return RebaseState(
         **{k: v for k, v in data.items() if k not in ("targets", "patches")},
-        gates=None if gates is None else GateDiff.from_json(gates),
+        gates=None if gates is None else GateDiff.from_json(jsondata.obj(gates)),
         release_gates=None
         if release_gates is None
-        else {v: GateDiff.from_json(d) for v, d in release_gates.items()},
+        else {v: GateDiff.from_json(jsondata.obj(d)) for v, d in release_gates.items()},
         targets=tuple(Target(**t) for t in data["targets"]),
         patches=tuple(_patch(p) for p in data["patches"]),
         journal=None
