@@ -26,6 +26,8 @@ def test_values_of_the_promised_type() -> None:
     assert jsondata.integer(DATA, "line") == 12
     assert jsondata.integer(DATA, "digits") == 7
     assert jsondata.integer(DATA, "absent", 0) == 0
+    assert jsondata.number(DATA, "line") == 12.0
+    assert jsondata.number(DATA, "digits") == 7.0
     assert jsondata.flag(DATA, "yes") is True
     assert jsondata.flag(DATA, "absent") is False
     assert jsondata.texts(DATA, "list") == ("x", "y")
@@ -43,6 +45,7 @@ def test_values_of_the_promised_type() -> None:
         (lambda: jsondata.integer(DATA, "yes"), TypeError),
         (lambda: jsondata.integer(DATA, "list"), TypeError),
         (lambda: jsondata.integer(DATA, "name"), ValueError),
+        (lambda: jsondata.number(DATA, "yes"), TypeError),
         (lambda: jsondata.texts(DATA, "mixed"), TypeError),
         (lambda: jsondata.obj(DATA["list"]), TypeError),
         (lambda: jsondata.array(DATA["object"]), TypeError),

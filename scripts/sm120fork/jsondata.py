@@ -52,6 +52,14 @@ def integer(data: JsonObject, key: str, default: int | None = None) -> int:
     return int(value)
 
 
+def number(data: JsonObject, key: str) -> float:
+    """`data[key]` as a float (written as a number or a string of one)."""
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"{key}: expected a number, not {type(value).__name__}")
+    return float(value)
+
+
 def flag(data: JsonObject, key: str, default: bool = False) -> bool:
     """`data[key]` as a bool (`default` where the key is left out)."""
     return bool(data.get(key, default))

@@ -65,13 +65,10 @@ class GateChange:
     @classmethod
     def from_json(cls, data: JsonObject) -> GateChange:
         """Read back `to_json()` (the guarded code is not stored)."""
-        score = data["score"]
-        if isinstance(score, bool) or not isinstance(score, (int, float, str)):
-            raise TypeError(f"score: expected a number, not {type(score).__name__}")
         return cls(
             old=Gate.from_json(jsondata.obj(data["old"])),
             new=Gate.from_json(jsondata.obj(data["new"])),
-            score=float(score),
+            score=jsondata.number(data, "score"),
             archs={
                 arch: _answers_of(jsondata.array(pair))
                 for arch, pair in jsondata.obj(data["archs"]).items()

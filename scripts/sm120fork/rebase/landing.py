@@ -121,9 +121,10 @@ def swap(root: Path, plan: Journal, after_each: Callable[[], None] = lambda: Non
     """Move every new copy into place (idempotent: resumes a half-done swap)."""
     for target, _ in plan.items:
         path = root / target
-        if not new_copy(path).exists():
+        new = new_copy(path)
+        if not new.exists():
             continue  # swapped already
-        swap_in(new_copy(path), path, old_copy(path))
+        swap_in(new, path, old_copy(path))
         after_each()
 
 
