@@ -10,6 +10,7 @@ import pytest
 from sm120fork.cli import main
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK
 from sm120fork.gates import apply_policy, compare_trees, diff_inventories
+from sm120fork.gates.answer import NO, YES
 from sm120fork.gates.diff import GateDiff
 from sm120fork.gates.model import Gate
 from sm120fork.gates.policy import Policy, parse_policy
@@ -195,7 +196,7 @@ def test_changed_condition_now_admits_sm120(diff) -> None:  # type: ignore[no-un
     assert where(change.new) == ("srt/server_args.py", "ServerArgs._handle_deterministic_inference")
     assert change.old.condition == "is_sm100_supported()"
     assert change.new.condition == "is_sm100_supported() or is_sm120_supported()"
-    assert change.archs == {"sm120": (False, True), "sm121": (False, True)}
+    assert change.archs == {"sm120": (NO, YES), "sm121": (NO, YES)}
     assert change.note == "sm120: no -> yes; sm121: no -> yes"
     assert change.old.decision == "excluded"  # what the fork had decided before
 

@@ -34,7 +34,7 @@ def evaluate(condition: str) -> dict[str, bool | str]:
     gates = scan_source(textwrap.dedent(PRELUDE).format(condition=condition))
     found = [g for g in gates if g.function == "f"]
     assert len(found) == 1, [g.condition for g in gates]
-    return found[0].archs
+    return {arch: answer.to_json() for arch, answer in found[0].archs.items()}
 
 
 def test_three_valued_and_or_not() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sm120fork.gates.answer import NO, Answer
 from test_gates_support import answers, conditions, only, scan
 
 HELPERS = """
@@ -93,8 +94,8 @@ def test_cached_module_flags(tmp_path: Path) -> None:
     assert (flag.kind, flag.function) == ("flag", "<module>")
     fusion = only(inventory, "(_is_sm90_supported or _is_sm100_supported) and batch_size > 0")
     assert fusion.kind == "return"
-    assert fusion.archs["sm120"] is False
-    assert fusion.archs["sm100"] == "depends: batch_size"
+    assert fusion.archs["sm120"] == NO
+    assert fusion.archs["sm100"] == Answer.depends("batch_size")
 
 
 def test_capability_comparisons(tmp_path: Path) -> None:
@@ -284,7 +285,7 @@ def test_flags_imported_from_other_modules(tmp_path: Path) -> None:
     flag = only(inventory, "_compute_enable_deep_gemm()")
     assert flag.kind == "flag"
     assert answers(flag) == "FF?????"
-    assert flag.archs["sm120"] == (
+    assert flag.archs["sm120"].to_json() == (
         "depends: envs.SGLANG_ENABLE_JIT_DEEPGEMM.get(), import deep_gemm"
     )
     use = only(inventory, "deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM")
@@ -353,7 +354,7 @@ def test_unknown_helper_of_the_family_is_a_gate_that_depends(tmp_path: Path) -> 
         },
     )
     gate = only(inventory, "is_sm130_supported_v2()")
-    assert set(gate.archs.values()) == {"depends: is_sm130_supported_v2()"}
+    assert set(gate.archs.values()) == {Answer.depends("is_sm130_supported_v2()")}
     assert inventory.unknown_helpers == ("is_sm130_supported_v2",)
 
 
@@ -459,7 +460,7 @@ def test_module_constants_and_imported_platform_probes(tmp_path: Path) -> None:
     )
     blocks = only(inventory, "BLOCKS[major] >= 64")  # a per-major table
     assert answers(blocks) == "??TTT??"
-    assert blocks.archs["sm120"] == "raises KeyError in BLOCKS[major]"
+    assert blocks.archs["sm120"].to_json() == "raises KeyError in BLOCKS[major]"
     assert answers(only(inventory, "_is_hip or major * 10 + minor >= LIMIT")) == "FFFTTTT"
     # RESET is rebound by a `global` statement: not a constant
     assert answers(only(inventory, "RESET is None and major == 12")) == "FFFFF??"

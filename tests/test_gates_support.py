@@ -37,9 +37,7 @@ def scan(root: Path, files: Mapping[str, str]) -> Inventory:
 
 def answers(gate: Gate) -> str:
     """One letter per architecture: T, F or ? (depends)."""
-    return "".join(
-        "T" if gate.archs[a] is True else "F" if gate.archs[a] is False else "?" for a in ARCH_NAMES
-    )
+    return "".join({"yes": "T", "no": "F"}.get(gate.archs[a].word, "?") for a in ARCH_NAMES)
 
 
 def only(inventory: Inventory, condition: str) -> Gate:

@@ -12,6 +12,7 @@ import conftest
 import pytest
 from conftest import record_line
 from sm120fork.errors import FatalError
+from sm120fork.upstream import record
 from sm120fork.upstream.archive import extract_wheel_package, is_text, read_sdist_license
 
 DIST = "sglang-0.5.9.dist-info"
@@ -167,3 +168,24 @@ def test_truncated_sdist_and_missing_license(tmp_path: Path) -> None:
     sdist.write_bytes(sdist.read_bytes()[:40])
     with pytest.raises(FatalError, match="corrupt or truncated"):
         read_sdist_license(sdist)
+
+
+@pytest.mark.parametrize(
+    ("member", "unhashed"),
+    [
+        (f"{DIST}/RECORD", True),
+        (f"{DIST}/RECORD.jws", True),
+        (f"{DIST}/RECORD.p7s", True),
+        (f"{DIST}/METADATA", False),
+        ("sglang/RECORD", False),
+    ],
+)
+def test_only_record_and_its_signatures_go_unhashed(member: str, unhashed: bool) -> None:
+    assert record.unhashed(member, f"{DIST}/RECORD") is unhashed
+
+
+def test_the_one_record_of_a_wheel() -> None:
+    names = ["sglang/__init__.py", f"{DIST}/RECORD", "sglang/x.dist-info/RECORD"]
+    assert record.find(names, "w.whl") == f"{DIST}/RECORD"
+    with pytest.raises(FatalError, match="has no RECORD"):
+        record.find([*names, "other-1.dist-info/RECORD"], "w.whl")

@@ -307,15 +307,19 @@ def test_failed_swap_leaves_vendor_untouched(
     assert main(["-C", str(fork), "import", "0.5.9"]) == 0
     (fork / "vendor" / "sglang" / "python" / "sglang" / "local.py").write_text("x\n")
     before = snapshot(fork)
-    real_replace = Path.replace
+    real_rename = Path.rename
+    failed: list[Path] = []
 
-    def failing_replace(self: Path, target: str | os.PathLike[str]) -> Path:
-        if Path(target).name == "sglang.lock":
+    def failing_rename(self: Path, target: str | os.PathLike[str]) -> Path:
+        # the new lock's move into place, the last, after the old one moved aside
+        if Path(target) == fork / "vendor" / "sglang.lock" and not failed:
+            failed.append(self)
             raise PermissionError(13, "Permission denied")
-        return real_replace(self, target)
+        return real_rename(self, target)
 
-    monkeypatch.setattr(Path, "replace", failing_replace)
+    monkeypatch.setattr(Path, "rename", failing_rename)
     monkeypatch.setenv(lock.DATE_ENV, "2026-03-04")
     assert main(["-C", str(fork), "import", "0.5.9"]) == 2
     assert "it was left as it was" in capsys.readouterr().err
     assert snapshot(fork) == before
+    assert failed and failed[0].parent != fork / "vendor"  # it failed where meant to

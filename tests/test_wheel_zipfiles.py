@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from sm120fork.errors import FatalError
+from sm120fork.upstream import record as upstream_record
 from sm120fork.wheel import record
 from sm120fork.wheel.zipfiles import RawZip, ZipWriter, date_time_of, deflate
 
@@ -89,9 +90,10 @@ def test_record_rows_round_trip() -> None:
     rows = [record.row("a,b.py", b"x"), record.row("c.py", b"")]
     text = record.render(rows, "d.dist-info/RECORD")
     assert text.splitlines()[-1] == b"d.dist-info/RECORD,,"
-    parsed = record.parse(text)
-    assert parsed["a,b.py"] == (record.digest(b"x"), "1")
-    assert record.digest(b"") == "sha256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU"
-    assert record.check("c.py", b"", parsed, "w.whl") == record.digest(b"")
-    with pytest.raises(FatalError, match="does not match its RECORD"):
-        record.check("c.py", b"!", parsed, "w.whl")
+    parsed = upstream_record.parse(text)
+    assert parsed["a,b.py"] == (upstream_record.digest(b"x"), "1")
+    assert upstream_record.digest(b"") == "sha256=47DEQpj8HBSa-_TImW-5JCeuQeRkm5NMpJWZG3hSuFU"
+    empty = upstream_record.digest(b"")
+    assert upstream_record.check("c.py", b"", parsed, "w.whl", "advice") == empty
+    with pytest.raises(FatalError, match="does not match its RECORD sha256; advice"):
+        upstream_record.check("c.py", b"!", parsed, "w.whl", "advice")

@@ -1,4 +1,5 @@
-"""Writes that never leave a half-written file behind.
+"""Writes that never leave a half-written file behind, and swaps of a file or a
+directory into place by renames that can be undone.
 
 Temporary files are created with mode 0666 filtered by the umask, as `open()`
 creates a normal file, not 0600 as `tempfile.mkstemp` does: what is renamed
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -57,3 +59,33 @@ def atomic_write_many(files: Mapping[Path, bytes]) -> None:
         raise
     for tmp, path in staged:
         tmp.replace(path)
+
+
+def remove(path: Path) -> None:
+    """Remove a file, a link or a whole directory; nothing there is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def swap_in(new: Path, target: Path, old: Path) -> None:
+    """Put `new` (a file or a directory) at `target` by two renames, moving what is
+    there to `old` first; all three on one file system, `old` not yet there.
+
+    Resumable: where `old` exists, the first rename happened already."""
+    if not old.exists() and (target.exists() or target.is_symlink()):
+        target.rename(old)
+    new.rename(target)
+
+
+def swap_back(new: Path, target: Path, old: Path, existed: bool) -> None:
+    """Undo `swap_in(new, target, old)`, however far it got (if it started at all):
+    `target` holds what it held before, or nothing where nothing (`existed`) was
+    there; `new` is removed."""
+    if old.exists():
+        remove(target)
+        old.rename(target)
+    elif not existed and not new.exists():
+        remove(target)  # what the swap put where nothing was
+    remove(new)

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from sm120fork.errors import EXIT_OK, FatalError
+from sm120fork.fsutil import swap_in
 from sm120fork.patches.stack import apply_stack, load_stack, write_applied
 from sm120fork.paths import RepoPaths
 from sm120fork.upstream import pristine
@@ -44,9 +45,7 @@ def run(args: argparse.Namespace) -> int:
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         write_applied(tree, overlay, staging / "tree")
-        if out.exists():
-            shutil.rmtree(out)
-        (staging / "tree").rename(out)
+        swap_in(staging / "tree", out, staging / "old")  # the old `out` goes with staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print(f"applied {len(stack.patches)} patches to {tree} -> {out}")

@@ -3,7 +3,8 @@
 Writes vendor/sglang (python/sglang/... and LICENSE), vendor/sglang.lock and
 vendor/sglang.sha256 (every file's sha256, as verified on the way in).
 Everything is built in a staging directory beside vendor/ and swapped in with
-renames at the end, so a failure at any step leaves all three as they were.
+renames at the end (`fsutil.swap_in`), so a failure at any step leaves all
+three as they were.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import tempfile
 from pathlib import Path
 
 from sm120fork.errors import EXIT_OK, FatalError
+from sm120fork.fsutil import swap_back, swap_in
 from sm120fork.paths import RepoPaths
-from sm120fork.upstream import SPEC_HELP, fetch_release, lock, manifest
+from sm120fork.upstream import SPEC_HELP, UpstreamSource, fetch_release, lock, manifest
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         release = fetch_release(
             args.version,
-            git_url=args.upstream_git,
+            source=UpstreamSource(args.upstream_git),
             workdir=staging / "work",
             progress=_progress,
             locked=locked,
@@ -71,34 +73,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _swap_in(tree: Path, files: dict[Path, Path], paths: RepoPaths, old: Path) -> None:
-    """Replace vendor/sglang by renames, then each of `files` (new -> final; the lock
-    last) by an atomic rename over it; a failure puts back what was already replaced."""
+    """Swap in vendor/sglang, then each of `files` (new -> final; the lock last), what
+    was there kept in `old`; a failure puts back what was already replaced."""
     created_vendor = not paths.vendor_dir.exists()
-    had_tree = paths.upstream_tree.exists()
     old.mkdir()
-    replaced: list[tuple[Path, Path]] = []  # (saved copy, final) of each file replaced
+    started: list[tuple[Path, Path, bool]] = []  # (new, final, final existed) of each swap
     try:
         paths.vendor_dir.mkdir(exist_ok=True)
-        if had_tree:
-            paths.upstream_tree.rename(old / "tree")
         try:
-            tree.rename(paths.upstream_tree)
-            for new, final in files.items():
-                saved = old / final.name
-                if final.exists():
-                    shutil.copy2(final, saved)
-                new.replace(final)
-                replaced.append((saved, final))
+            for new, final in {tree: paths.upstream_tree, **files}.items():
+                started.append((new, final, final.exists()))
+                swap_in(new, final, old / final.name)
         except BaseException:
-            for saved, final in reversed(replaced):
-                if saved.exists():
-                    saved.replace(final)
-                else:
-                    final.unlink()
-            if paths.upstream_tree.exists() and not tree.exists():
-                paths.upstream_tree.rename(tree)
-            if had_tree:
-                (old / "tree").rename(paths.upstream_tree)
+            for new, final, existed in reversed(started):
+                swap_back(new, final, old / final.name, existed)
             raise
     except OSError as error:
         if created_vendor:

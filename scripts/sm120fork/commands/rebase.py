@@ -14,7 +14,7 @@ import argparse
 from sm120fork.errors import FatalError
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import flow
-from sm120fork.upstream import SPEC_HELP
+from sm120fork.upstream import SPEC_HELP, UpstreamSource
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,5 +78,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.version:
         raise FatalError("name the release to rebase onto (e.g. v0.5.10), or --continue / --abort")
     return flow.start(
-        paths, args.version, git_url=args.upstream_git, step=args.step, dry_run=args.dry_run
+        paths,
+        args.version,
+        source=UpstreamSource(args.upstream_git),
+        step=args.step,
+        dry_run=args.dry_run,
     )

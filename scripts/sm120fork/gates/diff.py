@@ -21,12 +21,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
 
-from sm120fork.gates.model import SM12X, UNREVIEWED, ArchResult, Gate, Inventory
+from sm120fork import jsondata
+from sm120fork.gates.answer import Answer, Word, word
+from sm120fork.gates.model import SM12X, UNREVIEWED, Gate, Inventory
+from sm120fork.jsondata import JsonObject
 
-# An architecture's answer, as a change of gate reports it.
-Answer = Literal["yes", "no", "raises", "depends"]
+# An architecture's (old answer, new answer); None where a gate has no answer for it.
+AnswerPair = tuple[Answer | None, Answer | None]
 
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+|[^\sA-Za-z0-9_]")
 CHANGED_COND_MIN = 0.5  # a changed gate: condition this similar,
@@ -40,9 +42,7 @@ class GateChange:
     old: Gate
     new: Gate
     score: float
-    archs: dict[
-        str, tuple[ArchResult | None, ArchResult | None]
-    ]  # architecture -> (old answer, new answer), where they differ
+    archs: dict[str, AnswerPair]  # architecture -> (old answer, new answer), where they differ
 
     @property
     def note(self) -> str:
@@ -50,26 +50,29 @@ class GateChange:
         for arch in SM12X:
             if arch in self.archs:
                 before, after = self.archs[arch]
-                notes.append(f"{arch}: {answer(before)} -> {answer(after)}")
+                notes.append(f"{arch}: {word(before)} -> {word(after)}")
         return "; ".join(notes)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "old": self.old.to_json(),
             "new": self.new.to_json(),
             "score": round(self.score, 3),
-            "archs": {k: list(v) for k, v in self.archs.items()},
+            "archs": {arch: [_json(a) for a in pair] for arch, pair in self.archs.items()},
             "note": self.note,
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> GateChange:
+    def from_json(cls, data: JsonObject) -> GateChange:
         """Read back `to_json()` (the guarded code is not stored)."""
         return cls(
-            old=Gate.from_json(data["old"]),
-            new=Gate.from_json(data["new"]),
-            score=float(data["score"]),
-            archs={arch: (pair[0], pair[1]) for arch, pair in data["archs"].items()},
+            old=Gate.from_json(jsondata.obj(data["old"])),
+            new=Gate.from_json(jsondata.obj(data["new"])),
+            score=jsondata.number(data, "score"),
+            archs={
+                arch: _answers_of(jsondata.array(pair))
+                for arch, pair in jsondata.obj(data["archs"]).items()
+            },
         )
 
 
@@ -81,7 +84,7 @@ class GateDiff:
     moved: tuple[GateChange, ...]
     unreviewed: tuple[Gate, ...]
 
-    def to_json(self) -> dict[str, list[dict[str, Any]]]:
+    def to_json(self) -> dict[str, list[dict[str, object]]]:
         """The `gates` object of the rebase report (docs/contract.md)."""
         return {
             "new": [g.to_json() for g in self.new],
@@ -92,14 +95,18 @@ class GateDiff:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, list[dict[str, Any]]]) -> GateDiff:
+    def from_json(cls, data: JsonObject) -> GateDiff:
         """Read back `to_json()`; a kind left out is empty."""
+
+        def listed(kind: str) -> list[JsonObject]:
+            return [jsondata.obj(item) for item in jsondata.array(data.get(kind, []))]
+
         return cls(
-            new=tuple(Gate.from_json(g) for g in data.get("new", [])),
-            removed=tuple(Gate.from_json(g) for g in data.get("removed", [])),
-            changed=tuple(GateChange.from_json(c) for c in data.get("changed", [])),
-            moved=tuple(GateChange.from_json(c) for c in data.get("moved", [])),
-            unreviewed=tuple(Gate.from_json(g) for g in data.get("unreviewed", [])),
+            new=tuple(Gate.from_json(g) for g in listed("new")),
+            removed=tuple(Gate.from_json(g) for g in listed("removed")),
+            changed=tuple(GateChange.from_json(c) for c in listed("changed")),
+            moved=tuple(GateChange.from_json(c) for c in listed("moved")),
+            unreviewed=tuple(Gate.from_json(g) for g in listed("unreviewed")),
         )
 
     @classmethod
@@ -118,11 +125,13 @@ class GateDiff:
         return found[kind]
 
 
-def answer(value: ArchResult | None) -> Answer:
-    """What an evaluated condition says on one architecture, as a change reports it."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return "raises" if str(value).startswith("raises") else "depends"
+def _json(answer: Answer | None) -> bool | str | None:
+    return None if answer is None else answer.to_json()
+
+
+def _answers_of(pair: list[object]) -> AnswerPair:
+    old, new = (None if value is None else Answer.from_json(value) for value in pair)
+    return old, new
 
 
 _CAMEL = re.compile(r"[A-Z]+[a-z0-9]*|[a-z0-9]+")
@@ -148,8 +157,8 @@ def _jaccard(a: frozenset[str], b: frozenset[str]) -> float:
     return len(a & b) / len(a | b)
 
 
-def _answers(gate: Gate) -> tuple[str, ...]:
-    return tuple(str(v) if isinstance(v, bool) else answer(v) for v in gate.archs.values())
+def _answers(gate: Gate) -> tuple[Word, ...]:
+    return tuple(answer.word for answer in gate.archs.values())
 
 
 class _Features:
@@ -160,7 +169,7 @@ class _Features:
         self.answers = _answers(gate)
         # Answers that single out architectures: some yes, mostly decided.
         decided = sum(a != "depends" for a in self.answers)
-        self.decisive = "True" in self.answers and decided >= len(self.answers) // 2
+        self.decisive = "yes" in self.answers and decided >= len(self.answers) // 2
 
     def condition_score(self, other: _Features) -> float:
         """1 for the same text; high for the same answer on every architecture."""
@@ -177,12 +186,12 @@ class _Features:
         return _jaccard(self.body, other.body)
 
 
-def _arch_changes(old: Gate, new: Gate) -> dict[str, tuple[ArchResult | None, ArchResult | None]]:
+def _arch_changes(old: Gate, new: Gate) -> dict[str, AnswerPair]:
     """Architectures whose answer changed (yes / no / depends; not what it depends on)."""
     return {
         arch: (old.archs.get(arch), new.archs.get(arch))
         for arch in new.archs
-        if answer(old.archs.get(arch)) != answer(new.archs.get(arch))
+        if word(old.archs.get(arch)) != word(new.archs.get(arch))
     }
 
 

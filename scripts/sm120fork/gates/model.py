@@ -12,10 +12,9 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-# What one architecture's evaluation of a condition can be: True, False,
-# "depends: a, b" naming the non-architecture inputs it still depends on, or
-# "raises KeyError in TABLE[major]" when evaluating it fails on that architecture.
-ArchResult = bool | str
+from sm120fork import jsondata
+from sm120fork.gates.answer import Answer
+from sm120fork.jsondata import JsonObject
 
 DECISIONS = ("patched", "excluded", "included", "upstream-ok", "open")
 UNREVIEWED = "unreviewed"
@@ -84,7 +83,7 @@ class Gate:
     function: str  # qualified: Class.method, outer.inner, <module>
     kind: str  # if, elif, while, ternary, assert, return, flag, assign, expr, comprehension
     condition: str  # ast.unparse of the condition
-    archs: dict[str, ArchResult]
+    archs: dict[str, Answer]  # architecture -> its answer
     occurrence: int = 0  # index among gates with the same file, function, condition
     within: str | None = None  # test of the innermost enclosing `if` (tells repeats apart)
     guarded: Guarded = field(default_factory=Guarded, compare=False, repr=False)
@@ -111,7 +110,7 @@ class Gate:
     def with_changes(self, **changes: Any) -> Gate:
         return replace(self, **changes)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "id": self.id,
             "file": self.file,
@@ -121,7 +120,7 @@ class Gate:
             "condition": self.condition,
             "occurrence": self.occurrence,
             "within": self.within,
-            "archs": dict(self.archs),
+            "archs": {arch: answer.to_json() for arch, answer in self.archs.items()},
             "decision": self.decision,
             "patch": self.patch,
             "reason": self.reason,
@@ -131,23 +130,24 @@ class Gate:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Gate:
+    def from_json(cls, data: JsonObject) -> Gate:
         """Read back one object of gates.json (the guarded code is not stored)."""
+        archs = jsondata.obj(data["archs"])
         return cls(
-            file=data["file"],
-            line=int(data["line"]),
-            function=data["function"],
-            kind=data.get("kind", "if"),
-            condition=data["condition"],
-            archs=dict(data["archs"]),
-            occurrence=int(data.get("occurrence", 0)),
-            within=data.get("within"),
-            decision=data.get("decision", UNREVIEWED),
-            patch=data.get("patch"),
-            reason=data.get("reason"),
-            evidence=tuple(data.get("evidence", ())),
-            wrongly_included=bool(data.get("wrongly_included", False)),
-            wrongly_included_token=data.get("wrongly_included_token"),
+            file=jsondata.text(data, "file"),
+            line=jsondata.integer(data, "line"),
+            function=jsondata.text(data, "function"),
+            kind=jsondata.text(data, "kind", "if"),
+            condition=jsondata.text(data, "condition"),
+            archs={arch: Answer.from_json(value) for arch, value in archs.items()},
+            occurrence=jsondata.integer(data, "occurrence", 0),
+            within=jsondata.optional_text(data, "within"),
+            decision=jsondata.text(data, "decision", UNREVIEWED),
+            patch=jsondata.optional_text(data, "patch"),
+            reason=jsondata.optional_text(data, "reason"),
+            evidence=jsondata.texts(data, "evidence"),
+            wrongly_included=jsondata.flag(data, "wrongly_included"),
+            wrongly_included_token=jsondata.optional_text(data, "wrongly_included_token"),
         )
 
 

@@ -13,10 +13,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from sm120fork.gates.answer import Answer
 from sm120fork.gates.diff import GateDiff
-from sm120fork.gates.model import ARCHS, DECISIONS, UNREVIEWED, ArchResult, Gate, Inventory
-
-_SYMBOL = {True: "yes", False: "no"}
+from sm120fork.gates.model import ARCHS, DECISIONS, UNREVIEWED, Gate, Inventory
 
 
 def needs_attention(gate: Gate) -> bool:
@@ -71,10 +70,11 @@ def _cell(text: str | None, limit: int = 120) -> str:
     return text.replace("|", "\\|")
 
 
-def _arch(value: ArchResult) -> str:
-    if isinstance(value, bool):
-        return _SYMBOL[value]
-    return "raises" if value.startswith("raises") else "?"
+def _arch(answer: Answer | None) -> str:
+    """The table's cell: what depends on other inputs (or was not evaluated) is `?`."""
+    if answer is None or answer.word == "depends":
+        return "?"
+    return answer.word
 
 
 def _gate_line(gate: Gate) -> str:
@@ -130,7 +130,7 @@ def render_markdown(inventory: Inventory) -> str:
             str(gate.line),
             _cell(gate.function, 60),
             f"`{_cell(gate.condition, 90)}`",
-            *(_arch(gate.archs.get(a.name, "?")) for a in ARCHS),
+            *(_arch(gate.archs.get(a.name)) for a in ARCHS),
             gate.decision + (f" ({gate.patch})" if gate.patch else ""),
             _cell(gate.reason),
         ]

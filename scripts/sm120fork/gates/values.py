@@ -15,7 +15,7 @@ import ast
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sm120fork.gates.model import ArchResult
+from sm120fork.gates.answer import Answer
 from sm120fork.gates.scopes import FunctionNode, Scope
 
 Dep = ast.AST | str
@@ -158,17 +158,17 @@ class DepText:
             self.cache[key] = text
         return text
 
-    def render(self, val: Val, condition: str) -> ArchResult:
+    def render(self, val: Val, condition: str) -> Answer:
         if val.deps:
             texts = sorted({self(d) for d in val.deps})
             raised = [t[len(RAISES) :] for t in texts if t.startswith(RAISES)]
             if raised:  # e.g. a per-major table without this major
-                return "raises " + ", ".join(raised)
-            return "depends: " + ", ".join(texts)
+                return Answer.raises(", ".join(raised))
+            return Answer.depends(", ".join(texts))
         answer = truth(val)
         if answer is None:
-            return f"depends: {condition}"
-        return answer
+            return Answer.depends(condition)
+        return Answer.of(answer)
 
     def portable(self, val: Val) -> Val:
         """The same value with its dependencies as text (to cross processes)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sm120fork.gates.answer import NO, YES
 from sm120fork.gates.model import SM12X, Gate
 
 
@@ -26,15 +27,15 @@ def taken_words(gate: Gate, arch: str) -> tuple[str, ...]:
     """
     answer = gate.archs.get(arch)
     guarded = gate.guarded
-    if isinstance(answer, str) and answer.startswith("raises"):
+    if answer is not None and answer.word == "raises":
         return ()  # neither branch runs: the condition itself fails there
-    if answer is False:
+    if answer == NO:
         return guarded.taken_false or ()
     if guarded.rejects:
         # passing for sure: what the refusal names is what is let through;
         # passing maybe: only the surroundings say what (the refused case may
         # be the very thing the other inputs select, `backend == "fa3" and ...`)
-        return guarded.context if answer is not True else ()
+        return guarded.context if answer != YES else ()
     return guarded.taken_true or ()
 
 

@@ -25,21 +25,21 @@ from sm120fork.rebase import landing, phases, preconditions, report, report_md, 
 from sm120fork.rebase.state import MemoryStore, RebaseState, StateDir, Target
 from sm120fork.rebase.strategy import state_of
 from sm120fork.rebase.workspace import Workspace, say
-from sm120fork.upstream import lock, where
+from sm120fork.upstream import UpstreamSource, lock
 
 
-def start(paths: RepoPaths, spec: str, *, git_url: str | None, step: bool, dry_run: bool) -> int:
+def start(paths: RepoPaths, spec: str, *, source: UpstreamSource, step: bool, dry_run: bool) -> int:
     """`rebase VERSION`: whatever the outcome, build/rebase/report.json says it in
     `result` (nox turns every failure into exit 1, so scripts read that instead)."""
     state_dir = StateDir.of(paths.root)
     with state_dir.running():
         preconditions.refuse_in_progress(state_dir)  # and keep that rebase's report
         try:
-            return _start(paths, state_dir, spec, git_url=git_url, step=step, dry_run=dry_run)
+            return _start(paths, state_dir, spec, source=source, step=step, dry_run=dry_run)
         except FatalError as error:
-            refused = report.refused(_pinned_version(paths), spec, git_url, error.message)
+            refused = report.refused(_pinned_version(paths), spec, source, error.message)
             with contextlib.suppress(OSError):  # the error itself is what the person must see
-                report_md.write(paths.build_dir / "rebase", refused)
+                report_md.write(paths.rebase_dir, refused)
             raise
 
 
@@ -48,7 +48,7 @@ def _start(
     state_dir: StateDir,
     spec: str,
     *,
-    git_url: str | None,
+    source: UpstreamSource,
     step: bool,
     dry_run: bool,
 ) -> int:
@@ -56,13 +56,13 @@ def _start(
     stack = load_stack(paths)
     with tempfile.TemporaryDirectory(prefix="sm120fork-rebase-") as scratch:
         versions = targets.plan(
-            spec, pinned.version, git_url=git_url, step=step, scratch=Path(scratch)
+            spec, pinned.version, source=source, step=step, scratch=Path(scratch)
         )
         if not versions:
-            return _up_to_date(paths, pinned.version, git_url)
+            return _up_to_date(paths, pinned.version, source)
         state = RebaseState(
             from_version=pinned.version,
-            git_url=git_url,
+            git_url=source.git_url,
             step_mode=step,
             phase="fetch",
             fingerprint=preconditions.fingerprint(paths),
@@ -71,17 +71,17 @@ def _start(
         )
         if dry_run:
             return _drive(Workspace(paths, Path(scratch), MemoryStore(), dry_run=True), state)
-    area = paths.build_dir / "rebase"
+    area = paths.rebase_dir
     shutil.rmtree(area, ignore_errors=True)
     state_dir.create(state)
     return _drive(Workspace(paths, area, state_dir), state)
 
 
-def _up_to_date(paths: RepoPaths, version: str, git_url: str | None) -> int:
+def _up_to_date(paths: RepoPaths, version: str, source: UpstreamSource) -> int:
     """Nothing newer than the pinned release: success, in one line (the upstream watch
     runs `rebase latest` every day)."""
-    _, md = report_md.write(paths.build_dir / "rebase", report.up_to_date(version, git_url))
-    print(f"up to date with sglang {version}: no newer release {where(git_url)}; report {md}")
+    _, md = report_md.write(paths.rebase_dir, report.up_to_date(version, source))
+    print(f"up to date with sglang {version}: no newer release {source.where}; report {md}")
     return EXIT_OK
 
 
@@ -98,7 +98,7 @@ def resume(paths: RepoPaths, *, note: str = "", drop: str = "") -> int:
     state_dir = StateDir.of(paths.root)
     with state_dir.running():
         state = state_dir.load()
-        workspace = Workspace(paths, paths.build_dir / "rebase", state_dir)
+        workspace = Workspace(paths, paths.rebase_dir, state_dir)
         if (note or drop) and state.phase != "conflict":
             option = "--drop" if drop else "--note"
             raise FatalError(
@@ -122,7 +122,7 @@ def abort(paths: RepoPaths) -> int:
         except FatalError as error:  # a missing or damaged state must not block --abort
             say(f"warning: {error.message.rsplit('; ', 1)[0]}")
             state = None
-        workspace = Workspace(paths, paths.build_dir / "rebase", state_dir)
+        workspace = Workspace(paths, paths.rebase_dir, state_dir)
         if state is not None and state.journal is not None:
             if state.journal.step == "swapped":
                 landing.land(workspace, state)

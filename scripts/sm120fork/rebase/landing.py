@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sm120fork.errors import EXIT_OK, FatalError
+from sm120fork.fsutil import remove, swap_back, swap_in
 from sm120fork.gates.diff import GateDiff
 from sm120fork.patches.lines import split_lines
 from sm120fork.patches.normalform import render_patch
@@ -111,21 +112,19 @@ def stage(
     """Write every new copy, after removing what an interrupted staging left."""
     for target, _ in plan.items:
         new = new_copy(root / target)
-        _remove(new)
+        remove(new)
         writers[root / target](new)
         after_each()
 
 
 def swap(root: Path, plan: Journal, after_each: Callable[[], None] = lambda: None) -> None:
     """Move every new copy into place (idempotent: resumes a half-done swap)."""
-    for target, existed in plan.items:
+    for target, _ in plan.items:
         path = root / target
-        new, old = new_copy(path), old_copy(path)
+        new = new_copy(path)
         if not new.exists():
             continue  # swapped already
-        if existed and path.exists() and not old.exists():
-            path.rename(old)
-        new.rename(path)
+        swap_in(new, path, old_copy(path))
         after_each()
 
 
@@ -133,28 +132,14 @@ def undo(root: Path, plan: Journal) -> None:
     """Put every target back as it was before staging, whatever was swapped."""
     for target, existed in plan.items:
         path = root / target
-        new, old = new_copy(path), old_copy(path)
-        if old.exists():
-            _remove(path)
-            old.rename(path)
-        elif not existed and not new.exists():
-            _remove(path)  # a file the rebase created, already swapped in
-        _remove(new)
+        swap_back(new_copy(path), path, old_copy(path), existed)
 
 
 def discard_old(root: Path, plan: Journal) -> None:
     for target, _ in plan.items:
-        _remove(old_copy(root / target))
+        remove(old_copy(root / target))
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-INTENTS = "intents.toml"
 _INTENT = re.compile(r"^(?=\[\[intent\]\][ \t]*$)", re.MULTILINE)
 
 
@@ -193,7 +178,7 @@ def writers(
                 original = (paths.patches_dir / patch.name).read_bytes()
                 (dest / patch.name).write_bytes(patch_bytes(original, patch, today))
         (dest / "series").write_bytes(series.render().encode("utf-8"))
-        intents = dest / INTENTS
+        intents = dest / paths.intents_file.relative_to(paths.patches_dir)  # staged patches/
         if intents.is_file() and dropped:
             text = intents.read_text("utf-8")
             intents.write_bytes(without_intents(text, dropped).encode("utf-8"))

@@ -34,13 +34,12 @@ from sm120fork.upstream import lock
 def fetch(workspace: Workspace, state: RebaseState) -> RebaseState:
     """Download every target release not downloaded yet."""
     locked = lock.read(workspace.paths.lock_file)
-    source = "git" if state.git_url else "the package index"
     for index, target in enumerate(state.targets):
         if not target.lock_text:
-            say(f"fetching sglang {target.version} from {source}")
+            say(f"fetching sglang {target.version} from {state.source.name}")
             text = targets.fetch(
                 target.version,
-                git_url=state.git_url,
+                source=state.source,
                 workdir=workspace.release_dir(target.version),
                 locked=locked,
                 progress=say,
@@ -105,7 +104,7 @@ def _carry_release(
     where = (
         f"release {index + 1}/{releases} sglang {state.target.version}: " if releases > 1 else ""
     )
-    intents = load_intents(workspace.paths.patches_dir / "intents.toml")
+    intents = load_intents(workspace.paths.intents_file)
     total = len(state.patches)
     shown.update(patches, completed=state.patch_index)
     for number in range(state.patch_index, total):

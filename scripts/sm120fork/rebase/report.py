@@ -1,23 +1,26 @@
 """build/rebase/report.json and report.md (a PR description); see docs/contract.md.
 
 `build` (and `up_to_date`, `refused`) make a `Report` record; `Report.to_json`
-renders the JSON, `report_md` the Markdown and the writing of both files.
+renders the JSON (`Report.from_json` reads it back), `report_md` the Markdown
+and the writing of both files.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
+from sm120fork import jsondata
 from sm120fork.gates.diff import GateDiff
 from sm120fork.rebase import fate, gatefindings
 from sm120fork.rebase.conflicts import gate_conditions
 from sm120fork.rebase.gatefindings import KINDS
 from sm120fork.rebase.ledger import shown
 from sm120fork.rebase.state import Conflict, RebaseState, Status, StepResult
+from sm120fork.upstream import UpstreamSource
 
 # How a `rebase VERSION` ended; the upstream watch reads this, not the exit code.
 Result = Literal["complete", "conflict", "dry-run", "up-to-date", "bad-input"]
@@ -88,10 +91,42 @@ class Report:
             data["error"] = self.error
         return data
 
+    @staticmethod
+    def from_json(data: jsondata.JsonObject) -> Report:
+        """Read back `to_json()` as far as it is stored whole: the --step walk (its gates
+        are kept as counts) and each patch's steps are left out."""
+        releases = data.get("releases")
+        return Report(
+            from_version=jsondata.optional_text(data, "from"),
+            to=jsondata.text(data, "to"),
+            source=_SOURCES[jsondata.text(data, "source")],
+            result=_RESULTS[jsondata.text(data, "result")],
+            patches=tuple(
+                _patch_from_json(jsondata.obj(p)) for p in jsondata.array(data["patches"])
+            ),
+            gates=GateDiff.from_json(jsondata.obj(data.get("gates", {}))),
+            releases=None if releases is None else jsondata.texts(data, "releases"),
+            work_tree=jsondata.optional_text(data, "work_tree"),
+            error=jsondata.optional_text(data, "error"),
+        )
+
     def summary_line(self) -> str:
         """`From sglang 0.5.9 to 0.5.23 (pypi): **complete**; 7 merged, 1 resolved.`"""
-        statuses = (p.status for p in self.patches)
-        return _summary_line(self.from_version, self.to, self.source, self.result, statuses)
+        counts = Counter(p.status for p in self.patches)
+        tally = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no patches"
+        outcome = {
+            "complete": "complete",
+            "conflict": "stopped on a conflict",
+            "dry-run": "dry run, nothing written",
+        }.get(self.result, self.result)
+        span = f"From sglang {self.from_version} to {self.to} ({self.source})"
+        return f"{span}: **{outcome}**; {tally}."
+
+
+# What report.json may hold for each Literal field, read back as that type.
+_SOURCES: dict[str, Source] = {value: value for value in get_args(Source)}
+_RESULTS: dict[str, Result] = {value: value for value in get_args(Result)}
+_STATUSES: dict[str, Status] = {value: value for value in get_args(Status)}
 
 
 def build(state: RebaseState, result: Result, gates: GateDiff, work_tree: str | None) -> Report:
@@ -101,7 +136,7 @@ def build(state: RebaseState, result: Result, gates: GateDiff, work_tree: str | 
     return Report(
         from_version=state.from_version,
         to=state.final.version,
-        source="git" if state.git_url else "pypi",
+        source=state.source.kind,
         result=result,
         patches=tuple(_patch(state, index) for index in range(len(state.patches))),
         gates=gates,
@@ -111,15 +146,15 @@ def build(state: RebaseState, result: Result, gates: GateDiff, work_tree: str | 
     )
 
 
-def up_to_date(version: str, git_url: str | None) -> Report:
+def up_to_date(version: str, source: UpstreamSource) -> Report:
     """The pinned release is the newest: nothing carried, nothing compared."""
-    return Report(version, version, "git" if git_url else "pypi", "up-to-date")
+    return Report(version, version, source.kind, "up-to-date")
 
 
-def refused(pinned: str | None, spec: str, git_url: str | None, error: str) -> Report:
+def refused(pinned: str | None, spec: str, source: UpstreamSource, error: str) -> Report:
     """A rebase refused before it began, or stopped by bad input (exit 2): `to` is the
     release as asked for, `error` the one line the command printed."""
-    return Report(pinned, spec, "git" if git_url else "pypi", "bad-input", error=error)
+    return Report(pinned, spec, source.kind, "bad-input", error=error)
 
 
 def _walk(state: RebaseState, release_gates: Mapping[str, GateDiff]) -> tuple[Release, ...]:
@@ -221,14 +256,22 @@ def _patch_json(patch: PatchEntry) -> JsonObject:
     return entry
 
 
-def _summary_line(
-    pinned: str | None, to: str, source: str, result: str, statuses: Iterable[str]
-) -> str:
-    counts = Counter(statuses)
-    tally = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no patches"
-    outcome = {
-        "complete": "complete",
-        "conflict": "stopped on a conflict",
-        "dry-run": "dry run, nothing written",
-    }.get(result, result)
-    return f"From sglang {pinned} to {to} ({source}): **{outcome}**; {tally}."
+def _patch_from_json(data: jsondata.JsonObject) -> PatchEntry:
+    conflicts = (jsondata.obj(c) for c in jsondata.array(data.get("conflicts", [])))
+    return PatchEntry(
+        name=jsondata.text(data, "name"),
+        status=_STATUSES[jsondata.text(data, "status")],
+        detail=jsondata.text(data, "detail", ""),
+        conflicts=tuple(_conflict_from_json(c) for c in conflicts),
+    )
+
+
+def _conflict_from_json(data: jsondata.JsonObject) -> Conflict:
+    return Conflict(
+        file=jsondata.text(data, "file"),
+        line=jsondata.integer(data, "line"),
+        gate=jsondata.flag(data, "gate"),
+        ours=jsondata.text(data, "ours"),
+        theirs=jsondata.text(data, "theirs"),
+        base=jsondata.text(data, "base", ""),
+    )

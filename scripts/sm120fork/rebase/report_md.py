@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from sm120fork.fsutil import atomic_write_many
 from sm120fork.rebase import fate, gatefindings
 from sm120fork.rebase.gatefindings import KINDS
-from sm120fork.rebase.report import Release, Report, _Conditions, _conditions, _summary_line
+from sm120fork.rebase.report import Release, Report, _Conditions, _conditions
 
 _DRY_RUN_NOTE = [
     "A dry run goes on past a conflict: the patches after one were carried without it.",
@@ -43,12 +41,6 @@ def markdown(report: Report) -> str:
         if len(text) <= BODY_LIMIT:
             return text
     return text
-
-
-def summary_line(report: Mapping[str, Any]) -> str:
-    """The summary line of a stored report.json (see `Report.summary_line`)."""
-    statuses = (p["status"] for p in report["patches"])
-    return _summary_line(report["from"], report["to"], report["source"], report["result"], statuses)
 
 
 def _markdown(report: Report, listed: int | None) -> str:

@@ -34,10 +34,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from sm120fork import gitcmd
+from sm120fork import gitcmd, jsondata
 from sm120fork.errors import FatalError
 from sm120fork.fsutil import atomic_write
 from sm120fork.gates.diff import GateDiff
+from sm120fork.upstream.source import UpstreamSource
 
 CRASH_ENV = "SM120FORK_REBASE_CRASH_AT"
 FORMAT = 3  # 2: a step keeps its reason; fate.py words it. 3: and its strategy
@@ -106,7 +107,7 @@ class Journal:
 @dataclass(frozen=True)
 class RebaseState:
     from_version: str
-    git_url: str | None
+    git_url: str | None  # stored as given; read it as `source`
     step_mode: bool
     phase: Phase
     targets: tuple[Target, ...]
@@ -121,6 +122,10 @@ class RebaseState:
     # With --step: each release's gate findings against the release before it, once computed.
     release_gates: dict[str, GateDiff] | None = None
     format: int = FORMAT
+
+    @property
+    def source(self) -> UpstreamSource:
+        return UpstreamSource(self.git_url)
 
     @property
     def target(self) -> Target:
@@ -150,6 +155,8 @@ def dumps(state: RebaseState) -> str:
 
 
 def loads(text: str) -> RebaseState:
+    # The records are read by their fields' names; the gates, which the report shows,
+    # through their typed reader.
     data: dict[str, Any] = json.loads(text)
     if data.get("format") != FORMAT:
         raise FatalError("the rebase state was written by another version of the tool; --abort")
@@ -157,10 +164,10 @@ def loads(text: str) -> RebaseState:
     gates, release_gates = data.pop("gates"), data.pop("release_gates")
     return RebaseState(
         **{k: v for k, v in data.items() if k not in ("targets", "patches")},
-        gates=None if gates is None else GateDiff.from_json(gates),
+        gates=None if gates is None else GateDiff.from_json(jsondata.obj(gates)),
         release_gates=None
         if release_gates is None
-        else {v: GateDiff.from_json(d) for v, d in release_gates.items()},
+        else {v: GateDiff.from_json(jsondata.obj(d)) for v, d in release_gates.items()},
         targets=tuple(Target(**t) for t in data["targets"]),
         patches=tuple(_patch(p) for p in data["patches"]),
         journal=None

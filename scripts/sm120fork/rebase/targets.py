@@ -8,17 +8,24 @@ from pathlib import Path
 from packaging.version import Version
 
 from sm120fork.errors import FatalError
-from sm120fork.upstream import Progress, available_versions, fetch_release, lock, manifest, where
+from sm120fork.upstream import (
+    Progress,
+    UpstreamSource,
+    available_versions,
+    fetch_release,
+    lock,
+    manifest,
+)
 from sm120fork.upstream.versions import releases, resolve_version
 
 
-def plan(spec: str, pinned: str, *, git_url: str | None, step: bool, scratch: Path) -> list[str]:
+def plan(spec: str, pinned: str, *, source: UpstreamSource, step: bool, scratch: Path) -> list[str]:
     """The releases to carry to, oldest first: the target, or with `step` every
     release after `pinned` up to it; none when the target is the pinned release
     (up to date: `latest` on a day without a new release). Unknown or older
     targets are refused."""
-    available = available_versions(git_url, workdir=scratch)
-    target = resolve_version(spec, available, where(git_url))
+    available = available_versions(source, workdir=scratch)
+    target = resolve_version(spec, available, source.where)
     if Version(target) == Version(pinned):
         return []
     if Version(target) < Version(pinned):
@@ -41,7 +48,7 @@ def manifest_file(workdir: Path) -> Path:
 def fetch(
     version: str,
     *,
-    git_url: str | None,
+    source: UpstreamSource,
     workdir: Path,
     locked: lock.Lock | None,
     progress: Progress,
@@ -51,7 +58,7 @@ def fetch(
     if workdir.exists():
         shutil.rmtree(workdir)
     release = fetch_release(
-        version, git_url=git_url, workdir=workdir, progress=progress, locked=locked
+        version, source=source, workdir=workdir, progress=progress, locked=locked
     )
     if release.tree != tree(workdir):  # pragma: no cover - a changed convention is a bug
         raise AssertionError(f"fetch_release wrote {release.tree}, expected {tree(workdir)}")

@@ -49,7 +49,7 @@ class Workspace:
 
     @property
     def reports(self) -> Path:
-        return self.paths.build_dir / "rebase"
+        return self.paths.rebase_dir
 
     def save(self, state: RebaseState) -> RebaseState:
         self.store.save(state)

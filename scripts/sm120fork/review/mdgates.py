@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sm120fork.gates.answer import word
 from sm120fork.gates.diff import GateChange
 from sm120fork.gates.model import SM12X, UNREVIEWED, Gate
 from sm120fork.review.behaviour import ARCH_NAMES
@@ -15,7 +16,6 @@ from sm120fork.review.model import (
     Row,
     RowChange,
 )
-from sm120fork.review.verdict import shown_answer
 
 
 def _decision(decision: Decision | None) -> str:
@@ -40,7 +40,7 @@ def _decision_line(change: DecisionChange) -> str:
 
 
 def _answers(gate: Gate) -> str:
-    answers = ", ".join(f"{a} {shown_answer(gate.archs.get(a, '?'))}" for a in SM12X)
+    answers = ", ".join(f"{a} {word(gate.archs.get(a))}" for a in SM12X)
     return answers if gate.decision == UNREVIEWED else f"{answers}; {gate.decision}"
 
 

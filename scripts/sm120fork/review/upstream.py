@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from sm120fork.gates.diff import GateDiff
+from sm120fork.jsondata import JsonObject
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gatefindings
-from sm120fork.rebase.report_md import summary_line
+from sm120fork.rebase.report import Report
 from sm120fork.review.model import UpstreamReview
 from sm120fork.review.revs import read_text
 from sm120fork.review.side import Side
@@ -22,7 +21,9 @@ from sm120fork.review.side import Side
 REPORTS = "docs/rebases"
 
 
-def _report(root: Path, head: Side, old: str | None, new: str | None) -> tuple[str, Any] | None:
+def _report(
+    root: Path, head: Side, old: str | None, new: str | None
+) -> tuple[str, JsonObject] | None:
     committed = f"{REPORTS}/{old}-to-{new}/report.json"
     text = read_text(root, head.rev, committed)
     where = committed
@@ -41,16 +42,19 @@ def _report(root: Path, head: Side, old: str | None, new: str | None) -> tuple[s
     return where, report
 
 
-def _summary(report: dict[str, Any]) -> tuple[str, ...]:
+_DAMAGED = (KeyError, TypeError, ValueError, AttributeError)
+
+
+def _summary(data: JsonObject) -> tuple[str, ...]:
     try:
-        lines = [summary_line(report)]
-    except (KeyError, TypeError):
-        return ()
-    try:
-        gates = GateDiff.from_json(report["gates"])
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return tuple(lines)
-    lines.append("Gates: " + gatefindings.summary(gates) + ".")
+        report = Report.from_json(data)
+    except _DAMAGED:
+        try:  # gates it cannot read back: the summary line alone
+            return (Report.from_json({**data, "gates": {}}).summary_line(),)
+        except _DAMAGED:
+            return ()
+    gates = report.gates
+    lines = [report.summary_line(), "Gates: " + gatefindings.summary(gates) + "."]
     lines += [f"SM12x answer changed: {line}" for line in gatefindings.sm12x_changes(gates)]
     return tuple(lines)
 

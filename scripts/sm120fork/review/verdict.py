@@ -3,17 +3,11 @@ sm80-sm103 answer changes (a patch for SM12x should move none)."""
 
 from __future__ import annotations
 
+from sm120fork.gates.answer import NO, word
 from sm120fork.gates.diff import GateChange
 from sm120fork.gates.model import SM12X, Gate
 from sm120fork.review.behaviour import OTHER_ARCHS
 from sm120fork.review.model import BehaviourReview, CheckReview, GateScan, Row, Verdict
-
-
-def shown_answer(value: object) -> str:
-    """yes / no / depends / raises, as the gate reports write an answer."""
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return "raises" if str(value).startswith("raises") else "depends"
 
 
 def _cells(row: Row, archs: tuple[str, ...]) -> str:
@@ -30,9 +24,7 @@ def _gate(gate: Gate) -> str:
 
 def _answers(change: GateChange, archs: tuple[str, ...]) -> str:
     return "; ".join(
-        f"{a}: {shown_answer(old)} -> {shown_answer(new)}"
-        for a, (old, new) in change.archs.items()
-        if a in archs
+        f"{a}: {word(old)} -> {word(new)}" for a, (old, new) in change.archs.items() if a in archs
     )
 
 
@@ -62,8 +54,8 @@ def _sm12x(behaviour: BehaviourReview, gates: GateScan) -> list[str]:
     for label, listed in (("new", gates.diff.new), ("removed", gates.diff.removed)):
         for gate in listed:
             answers = [gate.archs.get(a) for a in SM12X]
-            if any(answer is not False for answer in answers):
-                shown = "; ".join(f"{a}: {shown_answer(gate.archs.get(a, '?'))}" for a in SM12X)
+            if any(answer != NO for answer in answers):
+                shown = "; ".join(f"{a}: {word(gate.archs.get(a))}" for a in SM12X)
                 found.append(f"{label} {_gate(gate)} ({shown})")
     return found
 

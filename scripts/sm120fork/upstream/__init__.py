@@ -1,23 +1,25 @@
 """Upstream sglang: pick a release, fetch and verify it, and record where it came from.
 
 `fetch` lays out a release (from the package index via `artifacts`, `index` and
-`pypi`, or from a git remote via `git`); `archive` reads wheels and sdists;
+`pypi`, or from a git remote via `git`: the `source`); `archive` reads wheels and sdists;
 `versions` resolves a version spec; `lock` and `manifest` are vendor/sglang.lock
 and vendor/sglang.sha256; `pristine` checks the vendored tree against both.
 """
 
 from sm120fork.upstream.artifacts import download_locked_wheel
-from sm120fork.upstream.fetch import available_versions, fetch_release, where
+from sm120fork.upstream.fetch import available_versions, fetch_release
 from sm120fork.upstream.release import Progress, Release
+from sm120fork.upstream.source import PACKAGE_INDEX, UpstreamSource
 from sm120fork.upstream.versions import SPEC_HELP, resolve_version
 
 __all__ = [
+    "PACKAGE_INDEX",
     "SPEC_HELP",
     "Progress",
     "Release",
+    "UpstreamSource",
     "available_versions",
     "download_locked_wheel",
     "fetch_release",
     "resolve_version",
-    "where",
 ]

@@ -9,10 +9,7 @@ RECORD before its contents are used at all.
 
 from __future__ import annotations
 
-import base64
-import csv
 import hashlib
-import io
 import stat
 import tarfile
 import zipfile
@@ -24,11 +21,9 @@ from email.parser import HeaderParser
 from pathlib import Path, PurePosixPath
 
 from sm120fork.errors import FatalError
+from sm120fork.upstream import record
 
-# Hash names RECORD may use (the wheel spec asks for sha256 or stronger).
-_RECORD_HASHES = frozenset({"sha256", "sha384", "sha512"})
-# Signature files that RECORD lists without a hash.
-_UNHASHED = (".dist-info/RECORD", ".dist-info/RECORD.jws", ".dist-info/RECORD.p7s")
+_ALTERED = "the wheel was altered or damaged, download it again from the index"
 
 
 @dataclass(frozen=True)
@@ -107,17 +102,17 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
     with _corrupt_is_fatal(wheel), zipfile.ZipFile(wheel) as archive:
         infos = archive.infolist()
         _check_zip_members(infos, wheel.name)
-        record_name, record = _read_record(archive, infos, wheel.name)
+        record_name = record.find((i.filename for i in infos), wheel.name)
+        rows = record.parse(archive.read(record_name))
         dist_info = record_name.rsplit("/", 1)[0]
         listed = {info.filename for info in infos if not info.is_dir()}
-        missing = sorted(set(record) - listed)
-        if missing:
-            raise FatalError(f"{wheel.name}: RECORD lists {missing[0]} but the wheel lacks it")
+        record.require_listed(rows, listed, wheel.name)
         for info in infos:
             if info.is_dir():
                 continue
             data = archive.read(info)  # checks the CRC as well
-            _verify_against_record(info.filename, data, record, wheel.name)
+            if not record.unhashed(info.filename, record_name):
+                record.check(info.filename, data, rows, wheel.name, _ALTERED)
             path = safe_member_path(info.filename, wheel.name)
             if path.parts[0] == package:
                 if is_text(data):
@@ -148,45 +143,6 @@ def _check_zip_members(infos: list[zipfile.ZipInfo], archive: str) -> None:
         if info.filename in seen:
             raise FatalError(f"{archive}: member {info.filename!r} appears twice; refusing it")
         seen.add(info.filename)
-
-
-def _read_record(
-    archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo], name: str
-) -> tuple[str, dict[str, tuple[str, str]]]:
-    records = [
-        i.filename
-        for i in infos
-        if i.filename.endswith(".dist-info/RECORD") and i.filename.count("/") == 1
-    ]
-    if len(records) != 1:
-        raise FatalError(f"{name} has no RECORD (or several); refusing an unverifiable wheel")
-    text = archive.read(records[0]).decode("utf-8", "replace")
-    record: dict[str, tuple[str, str]] = {}
-    for row in csv.reader(io.StringIO(text)):
-        if not row:
-            continue
-        path, digest, size = [*row, "", ""][:3]
-        record[path] = (digest, size)
-    return records[0], record
-
-
-def _verify_against_record(
-    member: str, data: bytes, record: dict[str, tuple[str, str]], archive: str
-) -> None:
-    if member.endswith(_UNHASHED):
-        return
-    if member not in record:
-        raise FatalError(f"{archive}: member {member} is not in RECORD; refusing this wheel")
-    digest, size = record[member]
-    algorithm, _, expected = digest.partition("=")
-    if algorithm not in _RECORD_HASHES:
-        raise FatalError(f"{archive}: RECORD has no usable hash for {member}; refusing this wheel")
-    actual = base64.urlsafe_b64encode(hashlib.new(algorithm, data).digest()).rstrip(b"=")
-    if actual.decode("ascii") != expected or (size and size != str(len(data))):
-        raise FatalError(
-            f"{archive}: member {member} does not match its RECORD {algorithm}; "
-            "the wheel was altered or damaged, download it again from the index"
-        )
 
 
 def _license_files(metadata: bytes) -> list[str]:

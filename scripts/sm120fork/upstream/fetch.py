@@ -19,27 +19,25 @@ from sm120fork.upstream.archive import extract_wheel_package, read_sdist_license
 from sm120fork.upstream.lock import Lock
 from sm120fork.upstream.manifest import sha256_hex
 from sm120fork.upstream.release import Progress, Release, quiet
+from sm120fork.upstream.source import PACKAGE_INDEX, UpstreamSource
 from sm120fork.upstream.versions import resolve_version
 
 
-def available_versions(git_url: str | None = None, *, workdir: Path | None = None) -> list[str]:
+def available_versions(
+    source: UpstreamSource = PACKAGE_INDEX, *, workdir: Path | None = None
+) -> list[str]:
     """Every release-looking version the source has, for `resolve_version`: the
     remote's tags, or the package index's versions for any interpreter (pip alone
     hides releases without a wheel for this one, e.g. 0.5.23 on Python 3.10)."""
-    if git_url is not None:
-        return list(upstream_git.release_tags(git_url, workdir or Path.cwd()))
+    if source.git_url is not None:
+        return list(upstream_git.release_tags(source.git_url, workdir or Path.cwd()))
     return sorted(artifacts.index_versions(upstream_index.project_files()))
-
-
-def where(git_url: str | None) -> str:
-    """How `resolve_version` names the source in its messages."""
-    return "on the package index" if git_url is None else f"at {upstream_git.public_url(git_url)}"
 
 
 def fetch_release(
     spec: str,
     *,
-    git_url: str | None = None,
+    source: UpstreamSource = PACKAGE_INDEX,
     workdir: Path,
     progress: Progress = quiet,
     locked: Lock | None = None,
@@ -52,8 +50,8 @@ def fetch_release(
     if (workdir / "tree").exists():
         raise FileExistsError(f"{workdir / 'tree'} exists; fetch_release needs a fresh workdir")
     workdir.mkdir(parents=True, exist_ok=True)
-    if git_url is not None:
-        return _fetch_git(spec, git_url, workdir, progress, locked)
+    if source.git_url is not None:
+        return _fetch_git(spec, source.git_url, workdir, progress, locked)
     progress("listing sglang releases on the package index")
     files = upstream_index.project_files()
     version = resolve_version(spec, artifacts.index_versions(files))

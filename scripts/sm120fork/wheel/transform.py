@@ -20,13 +20,14 @@ from packaging.version import InvalidVersion, Version
 from sm120fork.errors import FatalError
 from sm120fork.patches.applier import Overlay, apply_patch
 from sm120fork.patches.patchfile import PatchFile
+from sm120fork.upstream import record as upstream_record
 from sm120fork.upstream.archive import safe_member_path
 from sm120fork.wheel import record
 from sm120fork.wheel.metadata import PATCHES_FILE, ForkInfo, fork_metadata, patches_json
 from sm120fork.wheel.zipfiles import DateTime, Member, RawZip, ZipWriter, deflate
 
 _TREE_PREFIX = "python/"  # vendor/sglang/python/sglang/X is the wheel's sglang/X
-_SIGNATURES = ("RECORD.jws", "RECORD.p7s")
+_DAMAGED = "the wheel is damaged, delete it and build again to download it anew"
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,10 @@ class _Upstream:
             raise FatalError(f"{archive.name} has a member twice; refusing this wheel")
         for name in self.by_name:
             safe_member_path(name, archive.name)
-        records = [n for n in self.by_name if n.count("/") == 1 and n.endswith(".dist-info/RECORD")]
-        if len(records) != 1:
-            raise FatalError(f"{archive.name} has no RECORD (or several); refusing it")
-        self.dist_info = records[0].split("/")[0]
-        self.record_name = records[0]
-        self.record = record.parse(archive.read(self.by_name[self.record_name]))
-        missing = sorted(set(self.record) - set(self.by_name))
-        if missing:
-            raise FatalError(f"{archive.name}: RECORD lists {missing[0]}, which the wheel lacks")
+        self.record_name = upstream_record.find(self.by_name, archive.name)
+        self.dist_info = self.record_name.split("/")[0]
+        self.record = upstream_record.parse(archive.read(self.by_name[self.record_name]))
+        upstream_record.require_listed(self.record, self.by_name, archive.name)
         self._verified: dict[str, tuple[Member, bytes, str]] = {}
 
     def verified(self, name: str) -> tuple[Member, bytes, str]:
@@ -80,7 +76,7 @@ class _Upstream:
         if name not in self._verified:
             member = self.archive.member(self.by_name[name])
             data = member.data(f"{self.archive.name}: {name}")
-            hash_ = record.check(name, data, self.record, self.archive.name)
+            hash_ = upstream_record.check(name, data, self.record, self.archive.name, _DAMAGED)
             self._verified[name] = (member, data, hash_)
         return self._verified[name]
 
@@ -118,7 +114,7 @@ def fork_wheel(
 
     def write(name: str, member: Member, data: bytes, hash_: str | None = None) -> None:
         writer.add(name, member)
-        rows.append(record.Row(name, hash_ or record.digest(data), len(data)))
+        rows.append(record.Row(name, hash_ or upstream_record.digest(data), len(data)))
 
     def write_added() -> None:
         for name in pending:
@@ -130,9 +126,7 @@ def fork_wheel(
     for name in upstream.by_name:
         if name.partition("/")[0].endswith((".dist-info", ".data")):
             write_added()
-        if name == upstream.record_name or name in (
-            f"{upstream.dist_info}/{s}" for s in _SIGNATURES
-        ):
+        if upstream_record.unhashed(name, upstream.record_name):
             continue  # RECORD is written anew, last; its signatures would no longer hold
         member, data, hash_ = upstream.verified(name)
         if name in changes:
