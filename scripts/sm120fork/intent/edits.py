@@ -1,0 +1,317 @@
+"""An edit as text splices on the located code, and whether upstream already has it.
+
+The code is found with libcst (locate.py) and changed as text at the located
+span, so everything around it keeps its bytes: what `check` needs to prove an
+intent reproduces its patch exactly. New code is written at column 0 in the
+intent and indented to where it lands.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass
+
+import libcst as cst
+
+from sm120fork.intent import archexpr
+from sm120fork.intent.locate import (
+    Block,
+    Source,
+    expression_form,
+    expressions,
+    statement_form,
+    statement_matcher,
+    statements,
+)
+from sm120fork.intent.model import Edit
+
+
+class Missing(Exception):
+    """The edit's anchor is not in its scope (or is there more than once)."""
+
+
+@dataclass(frozen=True, order=True)
+class Splice:
+    start: int
+    end: int
+    order: int  # zero-width splices at one offset keep the intent's order
+    text: str
+
+
+def block_text(code: str, indent: str) -> str:
+    lines = textwrap.dedent(code).strip("\n").split("\n")
+    return "".join(f"{indent}{line}\n" if line.strip() else "\n" for line in lines)
+
+
+def inline_text(code: str, indent: str) -> str:
+    """`code` at a position inside a line: its later lines follow that line's indent."""
+    first, *rest = textwrap.dedent(code).strip("\n").split("\n")
+    return "\n".join([first, *(f"{indent}{line}" if line.strip() else "" for line in rest)])
+
+
+def _blanks(lines: tuple[cst.EmptyLine, ...] | list[cst.EmptyLine]) -> int:
+    count = 0
+    for line in lines:
+        if line.comment is not None:
+            break
+        count += 1
+    return count
+
+
+Found = tuple[cst.BaseStatement, Block, int]
+
+
+def _one(source: Source, scope: cst.CSTNode, edit: Edit, pattern: str) -> Found:
+    match = statement_matcher(pattern)
+    holding = statement_matcher(edit.holding) if edit.holding else None
+    found = [
+        item
+        for item in statements(scope)
+        if match(source, item[0])
+        and (holding is None or any(holding(source, s) for s, _, _ in statements(item[0])))
+    ]
+    if len(found) != 1:
+        many = f"{len(found)} statements" if found else "no statement"
+        raise Missing(f"{many} `{pattern.strip()}` in {edit.where()}")
+    return found[0]
+
+
+def _separated(code: str, edit: Edit | None) -> bool:
+    """Whether new code is set off by blank lines as its neighbours are: a definition
+    always, other code when the edit asks (`paragraph`); else it joins the anchor's."""
+    first = _first_statement(code)
+    return isinstance(first, ast.FunctionDef | ast.ClassDef) or bool(edit and edit.paragraph)
+
+
+def _after(source: Source, found: Found, code: str, order: int, edit: Edit | None) -> Splice:
+    statement, block, index = found
+    line = source.span(statement)[2] + 1
+    following = block.body[index + 1] if 0 <= index < len(block.body) - 1 else None
+    blanks = _blanks(following.leading_lines) if following is not None else 0
+    blanks = blanks if _separated(code, edit) else 0
+    indent = source.indent(source.span(statement)[0])
+    at = source.offset(line)
+    return Splice(at, at, order, "\n" * blanks + block_text(code, indent))
+
+
+def _before(source: Source, found: Found, code: str, order: int, edit: Edit | None) -> Splice:
+    statement, _, index = found
+    if index < 0:
+        raise Missing("cannot insert before an elif branch")
+    first = statement
+    decorators = getattr(statement, "decorators", ())
+    line = source.span(decorators[0] if decorators else first)[0]
+    leading = list(getattr(statement, "leading_lines", ()))
+    comments = _trailing_comments(leading)
+    blanks = _blanks(list(reversed(leading[: len(leading) - comments])))
+    blanks = blanks if _separated(code, edit) else 0
+    at = source.offset(line - comments)
+    return Splice(at, at, order, block_text(code, source.indent(line)) + "\n" * blanks)
+
+
+def _trailing_comments(leading: list[cst.EmptyLine]) -> int:
+    count = 0
+    for line in reversed(leading):
+        if line.comment is None:
+            break
+        count += 1
+    return count
+
+
+def _top(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> Splice:
+    body = getattr(scope, "body", None)
+    block = body if isinstance(body, cst.IndentedBlock) else scope
+    if not isinstance(block, cst.IndentedBlock) or not block.body:
+        raise Missing("the scope has no indented body")
+    first = block.body[0]
+    docstring = (
+        isinstance(first, cst.SimpleStatementLine)
+        and isinstance(first.body[0], cst.Expr)
+        and isinstance(first.body[0].value, cst.SimpleString | cst.ConcatenatedString)
+    )
+    if docstring:
+        return _after(source, (first, block, 0), edit.code, order, edit)
+    return _before(source, (first, block, 0), edit.code, order, edit)
+
+
+def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
+    """The splices that make `edit` in `source`; Missing when its anchor is not there."""
+    op = edit.op
+    if op.startswith("refuse") and not _raises(edit.code):
+        raise Missing(f"`{op}` code must raise (a refusal)")
+    if op.endswith("_at"):
+        return [_top(source, scope, edit, order)]
+    if op.endswith("_after") and op != "add_elif_after":
+        found = _one(source, scope, edit, edit.target)
+        return [_after(source, found, edit.code, order, edit)]
+    if op.endswith("_before"):
+        found = _one(source, scope, edit, edit.target)
+        return [_before(source, found, edit.code, order, edit)]
+    if op == "add_elif_after":
+        branch, _, _ = _one(source, scope, edit, f"if {edit.target}")
+        assert isinstance(branch, cst.If)
+        if not edit.code.lstrip().startswith("elif "):
+            raise Missing("`add_elif_after` code must start with `elif`")
+        at = source.offset(source.span(branch.body)[2] + 1)
+        text = block_text(edit.code, source.indent(source.span(branch)[0]))
+        return [Splice(at, at, order, text)]
+    if op == "condition":
+        branch, _, _ = _one(source, scope, edit, f"if {edit.target}")
+        assert isinstance(branch, cst.If)
+        line, column, end_line, end_column = source.span(branch.test)
+        indent = source.indent(line)
+        splices = [
+            Splice(
+                source.offset(line, column),
+                source.offset(end_line, end_column),
+                order,
+                inline_text(edit.code, indent),
+            )
+        ]
+        if edit.comment:
+            at = source.offset(source.span(branch)[0])
+            splices.append(Splice(at, at, order, block_text(edit.comment, indent)))
+        return splices
+    if op == "replace":
+        return _replace(source, scope, edit, order)
+    return [_import(source, edit, order)]
+
+
+def _replace(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
+    form = expression_form(edit.target)
+    if form is not None:
+        nodes: list[cst.CSTNode] = list(expressions(scope, form, source))
+    else:
+        match = statement_matcher(edit.target)
+        nodes = [s for s, _, _ in statements(scope) if match(source, s)]
+    if not nodes or (edit.count and len(nodes) != edit.count):
+        raise Missing(f"{len(nodes)} occurrences of `{edit.target.strip()}` in {edit.where()}")
+    splices = []
+    for node in nodes:
+        line, column, end_line, end_column = source.span(node)
+        text = inline_text(edit.code, source.indent(line))
+        start, end = source.offset(line, column), source.offset(end_line, end_column)
+        splices.append(Splice(start, end, order, text))
+    return splices
+
+
+def _import(source: Source, edit: Edit, order: int) -> Splice:
+    aliases = [
+        (statement, alias)
+        for statement in source.module.body
+        if isinstance(statement, cst.SimpleStatementLine)
+        for small in statement.body
+        if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar)
+        for alias in small.names
+        if _alias(alias) == edit.target
+    ]
+    if len(aliases) != 1:
+        raise Missing(f"{len(aliases)} imports of {edit.target} in {edit.where()}")
+    statement, alias = aliases[0]
+    line, column, _, end_column = source.span(alias.name)
+    if line != source.span(statement)[0] and isinstance(alias.comma, cst.Comma):
+        at = source.offset(line + 1)
+        return Splice(at, at, order, f"{source.indent(line)}{edit.code},\n")
+    at = source.offset(*source.span(alias)[2:]) if alias.asname else source.offset(line, end_column)
+    return Splice(at, at, order, f", {edit.code}")
+
+
+def _alias(alias: cst.ImportAlias) -> str:
+    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+        return alias.asname.name.value
+    return cst.Module(body=()).code_for_node(alias.name)
+
+
+def _raises(code: str) -> bool:
+    try:
+        tree = ast.parse(textwrap.dedent(code).strip("\n"))
+    except SyntaxError:
+        return False
+    return any(isinstance(node, ast.Raise) for node in ast.walk(tree))
+
+
+def present(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
+    """What in upstream's code already makes `edit` ("" when nothing does)."""
+    in_scope = [s for s, _, _ in statements(scope)]
+    if edit.op == "import_beside":
+        names = {
+            _alias(a)
+            for s in source.module.body
+            if isinstance(s, cst.SimpleStatementLine)
+            for small in s.body
+            if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar)
+            for a in small.names
+        }
+        return f"it imports {edit.code}" if edit.code in names else ""
+    if edit.op == "replace":
+        old = _replace_count(source, scope, edit.target)
+        new = _replace_count(source, scope, edit.code)
+        return f"`{_first_line(edit.code)}` is there" if not old and new else ""
+    if edit.op == "condition":
+        match = statement_matcher(f"if {edit.code}")
+        hit = any(match(source, s) for s in in_scope)
+        return f"a gate tests `{_first_line(edit.code)}`" if hit else ""
+    if edit.op == "add_elif_after":
+        return _branch_present(source, scope, edit)
+    first = _first_statement(edit.code)
+    if first is None:
+        return ""
+    if isinstance(first, ast.FunctionDef | ast.ClassDef):
+        pattern = f"{'def' if isinstance(first, ast.FunctionDef) else 'class'} {first.name}"
+        match = statement_matcher(pattern)
+        return f"it defines {first.name}" if any(match(source, s) for s in in_scope) else ""
+    wanted = ast.dump(ast.Module(body=[first], type_ignores=[]))
+    hit = any(statement_form(source.code(s)) == wanted for s in in_scope)
+    return f"`{_first_line(ast.unparse(first))}` is there" if hit else ""
+
+
+def _branch_present(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
+    """A branch of the target's if-chain that already tests the new branch's arch
+    (or its condition)."""
+    header = edit.code.lstrip().removeprefix("elif").split("\n")[0].rstrip().rstrip(":")
+    try:
+        test = cst.parse_expression(header.strip())
+        target, _, _ = _one(source, scope, edit, f"if {edit.target}")
+    except (cst.ParserSyntaxError, Missing):
+        return ""
+    helpers = {archexpr.helper_name(t) for t in archexpr.arch_terms(test)}
+    wanted = expression_form(header)
+    for head, _, _ in statements(scope):
+        chain = _chain(head)
+        if target not in chain:
+            continue
+        for branch in chain:
+            tested = {archexpr.helper_name(t) for t in archexpr.arch_terms(branch.test)}
+            code = source.code(branch.test).strip()
+            if (helpers and helpers & tested) or expression_form(code) == wanted:
+                return f"a branch already tests `{code}`"
+    return ""
+
+
+def _chain(node: cst.CSTNode) -> list[cst.If]:
+    branches = []
+    while isinstance(node, cst.If):
+        branches.append(node)
+        node = node.orelse  # type: ignore[assignment]
+    return branches
+
+
+def _replace_count(source: Source, scope: cst.CSTNode, code: str) -> int:
+    form = expression_form(code)
+    if form is not None:
+        return len(expressions(scope, form, source))
+    wanted = statement_form(code)
+    return sum(statement_form(source.code(s)) == wanted for s, _, _ in statements(scope))
+
+
+def _first_statement(code: str) -> ast.stmt | None:
+    try:
+        body = ast.parse(textwrap.dedent(code).strip("\n")).body
+    except SyntaxError:
+        return None
+    return body[0] if body else None
+
+
+def _first_line(code: str) -> str:
+    return textwrap.dedent(code).strip().split("\n")[0]

@@ -1,0 +1,217 @@
+"""Find an edit's code by meaning: scopes by name or registration, statements and
+expressions by their syntax tree (so line wrapping, parentheses and quotes do not
+matter), in whichever module the code lives now.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from sm120fork.intent.model import Edit
+
+Block = cst.Module | cst.IndentedBlock
+
+
+@dataclass
+class Source:
+    """One parsed module, with positions to edit its text in place."""
+
+    path: str
+    text: str
+    module: cst.Module
+    positions: dict[cst.CSTNode, object]
+    line_starts: list[int] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, path: str, text: str) -> Source | None:
+        try:
+            wrapper = MetadataWrapper(cst.parse_module(text), unsafe_skip_copy=True)
+        except cst.ParserSyntaxError:
+            return None
+        positions = dict(wrapper.resolve(PositionProvider))
+        starts = [0]
+        for line in text.splitlines(keepends=True):
+            starts.append(starts[-1] + len(line))
+        return cls(path, text, wrapper.module, positions, starts)  # type: ignore[arg-type]
+
+    def span(self, node: cst.CSTNode) -> tuple[int, int, int, int]:
+        """(start line, start column, end line, end column), lines from 1."""
+        where = self.positions[node]
+        start, end = where.start, where.end  # type: ignore[attr-defined]
+        return start.line, start.column, end.line, end.column
+
+    def offset(self, line: int, column: int = 0) -> int:
+        return self.line_starts[min(line - 1, len(self.line_starts) - 1)] + column
+
+    def indent(self, line: int) -> str:
+        text = self.text[self.offset(line) : self.offset(line + 1)]
+        return text[: len(text) - len(text.lstrip(" \t"))]
+
+    def code(self, node: cst.CSTNode) -> str:
+        return self.module.code_for_node(node)
+
+
+def expression_form(code: str) -> str | None:
+    """The syntax tree of an expression, or None if `code` is not one."""
+    try:
+        return ast.dump(ast.parse(f"(\n{code}\n)", mode="eval").body)
+    except SyntaxError:
+        return None
+
+
+def statement_form(code: str) -> str | None:
+    try:
+        return ast.dump(ast.parse(textwrap.dedent(code).strip("\n") + "\n"))
+    except SyntaxError:
+        return None
+
+
+HEADERS = ("if", "elif", "def", "class")
+
+
+def statement_matcher(pattern: str) -> Callable[[Source, cst.CSTNode], bool]:
+    """`if COND` / `elif COND` (the test), `def NAME` / `class NAME`, or a whole statement."""
+    keyword, _, rest = pattern.strip().rstrip(":").partition(" ")
+    if keyword in ("def", "class"):
+        kind = cst.FunctionDef if keyword == "def" else cst.ClassDef
+        return lambda _, node: isinstance(node, kind) and node.name.value == rest.strip()
+    if keyword in ("if", "elif") and statement_form(pattern) is None:
+        wanted = expression_form(rest)
+        return lambda source, node: (
+            isinstance(node, cst.If) and expression_form(source.code(node.test)) == wanted
+        )
+    wanted = statement_form(pattern)
+    if wanted is None:
+        raise ValueError(f"`{pattern}` is not Python")
+    return lambda source, node: (
+        isinstance(node, cst.BaseStatement) and statement_form(source.code(node)) == wanted
+    )
+
+
+def statements(root: cst.CSTNode) -> Iterator[tuple[cst.BaseStatement, Block, int]]:
+    """Every statement under `root` (elif branches included), with its block and index;
+    under a module, only the module's own statements (`module_of` edits module level)."""
+    found: list[tuple[cst.BaseStatement, Block, int]] = []
+    if isinstance(root, cst.Module):
+        return iter([(s, root, i) for i, s in enumerate(root.body)])
+
+    class Walker(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, cst.Module | cst.IndentedBlock):
+                for index, statement in enumerate(node.body):
+                    if isinstance(statement, cst.BaseStatement):
+                        found.append((statement, node, index))
+            if isinstance(node, cst.If) and isinstance(node.orelse, cst.If):
+                found.append((node.orelse, cst.IndentedBlock(body=()), -1))
+            return True
+
+    root.visit(Walker())
+    return iter(found)
+
+
+def expressions(root: cst.CSTNode, wanted: str, source: Source) -> list[cst.BaseExpression]:
+    """The outermost expressions under `root` whose syntax tree is `wanted`."""
+    found: list[cst.BaseExpression] = []
+
+    class Walker(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, cst.BaseExpression) and (
+                expression_form(source.code(node)) == wanted
+            ):
+                found.append(node)
+                return False
+            return True
+
+    root.visit(Walker())
+    return found
+
+
+def _strings(node: cst.CSTNode) -> set[str]:
+    found: set[str] = set()
+    for child in _walk(node):
+        if isinstance(child, cst.SimpleString) and isinstance(child.evaluated_value, str):
+            found.add(child.evaluated_value)
+    return found
+
+
+def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    yield node
+    for child in node.children:
+        yield from _walk(child)
+
+
+def scopes(source: Source, edit: Edit) -> list[cst.CSTNode]:
+    """The nodes in `source` that `edit`'s scope names (narrowed by `within`)."""
+    found: list[cst.CSTNode] = []
+    if edit.scope == "module_of":
+        for statement in source.module.body:
+            if _defines(statement, edit.name):
+                found = [source.module]
+    else:
+        found = list(_named(source.module, edit))
+    if edit.within:
+        match = statement_matcher(f"if {edit.within}")
+        found = [
+            s.body for root in found for s, _, _ in statements(root) if match(source, s)
+        ]  # type: ignore[attr-defined]
+    return found
+
+
+def _defines(statement: cst.CSTNode, name: str) -> bool:
+    if isinstance(statement, cst.FunctionDef | cst.ClassDef):
+        return statement.name.value == name
+    if isinstance(statement, cst.SimpleStatementLine):
+        for small in statement.body:
+            if isinstance(small, cst.Assign | cst.AnnAssign):
+                targets = small.targets if isinstance(small, cst.Assign) else [small]
+                for target in targets:
+                    if isinstance(target.target, cst.Name) and target.target.value == name:
+                        return True
+    return False
+
+
+def _named(module: cst.Module, edit: Edit) -> Iterable[cst.CSTNode]:
+    found: list[cst.CSTNode] = []
+
+    class Walker(cst.CSTVisitor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.path: list[str] = []
+
+        def visit_ClassDef(self, node: cst.ClassDef) -> None:
+            self.path.append(node.name.value)
+
+        def leave_ClassDef(self, node: cst.ClassDef) -> None:
+            self.path.pop()
+
+        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+            self.path.append(node.name.value)
+            qualified = ".".join(self.path)
+            if edit.scope == "function" and f".{qualified}".endswith(f".{edit.name}"):
+                found.append(node)
+            if edit.scope == "model" and any(edit.name in _strings(d) for d in node.decorators):
+                found.append(node)
+
+        def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
+            self.path.pop()
+
+        def visit_If(self, node: cst.If) -> None:
+            if edit.scope == "model" and edit.name in _strings(node.test):
+                found.append(node.body)
+
+    module.visit(Walker())
+    return found
+
+
+def scope_key(edit: Edit) -> list[str]:
+    """Text a module must hold to be searched for the scope (a cheap filter)."""
+    if edit.scope == "function":
+        *classes, function = edit.name.split(".")
+        return [f"def {function}", *(f"class {c}" for c in classes)]
+    return [edit.name]
