@@ -14,13 +14,11 @@ from dataclasses import dataclass
 
 import libcst as cst
 
-from sm120fork.intent import archexpr
 from sm120fork.intent.locate import (
     Block,
     Source,
     expression_form,
     expressions,
-    statement_form,
     statement_matcher,
     statements,
 )
@@ -62,7 +60,7 @@ def _blanks(lines: tuple[cst.EmptyLine, ...] | list[cst.EmptyLine]) -> int:
 Found = tuple[cst.BaseStatement, Block, int]
 
 
-def _one(source: Source, scope: cst.CSTNode, edit: Edit, pattern: str) -> Found:
+def one(source: Source, scope: cst.CSTNode, edit: Edit, pattern: str) -> Found:
     match = statement_matcher(pattern)
     holding = statement_matcher(edit.holding) if edit.holding else None
     found = [
@@ -80,7 +78,7 @@ def _one(source: Source, scope: cst.CSTNode, edit: Edit, pattern: str) -> Found:
 def _separated(code: str, edit: Edit | None) -> bool:
     """Whether new code is set off by blank lines as its neighbours are: a definition
     always, other code when the edit asks (`paragraph`); else it joins the anchor's."""
-    first = _first_statement(code)
+    first = first_statement(code)
     return isinstance(first, ast.FunctionDef | ast.ClassDef) or bool(edit and edit.paragraph)
 
 
@@ -88,7 +86,7 @@ def _after(source: Source, found: Found, code: str, order: int, edit: Edit | Non
     statement, block, index = found
     line = source.span(statement)[2] + 1
     following = block.body[index + 1] if 0 <= index < len(block.body) - 1 else None
-    blanks = _blanks(following.leading_lines) if following is not None else 0
+    blanks = _blanks(getattr(following, "leading_lines", ()))
     blanks = blanks if _separated(code, edit) else 0
     indent = source.indent(source.span(statement)[0])
     at = source.offset(line)
@@ -143,13 +141,13 @@ def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Spl
     if op.endswith("_at"):
         return [_top(source, scope, edit, order)]
     if op.endswith("_after") and op != "add_elif_after":
-        found = _one(source, scope, edit, edit.target)
+        found = one(source, scope, edit, edit.target)
         return [_after(source, found, edit.code, order, edit)]
     if op.endswith("_before"):
-        found = _one(source, scope, edit, edit.target)
+        found = one(source, scope, edit, edit.target)
         return [_before(source, found, edit.code, order, edit)]
     if op == "add_elif_after":
-        branch, _, _ = _one(source, scope, edit, f"if {edit.target}")
+        branch, _, _ = one(source, scope, edit, f"if {edit.target}")
         assert isinstance(branch, cst.If)
         if not edit.code.lstrip().startswith("elif "):
             raise Missing("`add_elif_after` code must start with `elif`")
@@ -157,7 +155,7 @@ def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Spl
         text = block_text(edit.code, source.indent(source.span(branch)[0]))
         return [Splice(at, at, order, text)]
     if op == "condition":
-        branch, _, _ = _one(source, scope, edit, f"if {edit.target}")
+        branch, _, _ = one(source, scope, edit, f"if {edit.target}")
         assert isinstance(branch, cst.If)
         line, column, end_line, end_column = source.span(branch.test)
         indent = source.indent(line)
@@ -179,9 +177,8 @@ def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Spl
 
 
 def _replace(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
-    form = expression_form(edit.target)
-    if form is not None:
-        nodes: list[cst.CSTNode] = list(expressions(scope, form, source))
+    if expression_form(edit.target) is not None:
+        nodes: list[cst.CSTNode] = list(expressions(scope, edit.target, source))
     else:
         match = statement_matcher(edit.target)
         nodes = [s for s, _, _ in statements(scope) if match(source, s)]
@@ -204,12 +201,12 @@ def _import(source: Source, edit: Edit, order: int) -> Splice:
         for small in statement.body
         if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar)
         for alias in small.names
-        if _alias(alias) == edit.target
+        if alias_name(alias) == edit.target
     ]
     if len(aliases) != 1:
         raise Missing(f"{len(aliases)} imports of {edit.target} in {edit.where()}")
     statement, alias = aliases[0]
-    line, column, _, end_column = source.span(alias.name)
+    line, _, _, end_column = source.span(alias.name)
     if line != source.span(statement)[0] and isinstance(alias.comma, cst.Comma):
         at = source.offset(line + 1)
         return Splice(at, at, order, f"{source.indent(line)}{edit.code},\n")
@@ -217,7 +214,7 @@ def _import(source: Source, edit: Edit, order: int) -> Splice:
     return Splice(at, at, order, f", {edit.code}")
 
 
-def _alias(alias: cst.ImportAlias) -> str:
+def alias_name(alias: cst.ImportAlias) -> str:
     if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
         return alias.asname.name.value
     return cst.Module(body=()).code_for_node(alias.name)
@@ -231,87 +228,9 @@ def _raises(code: str) -> bool:
     return any(isinstance(node, ast.Raise) for node in ast.walk(tree))
 
 
-def present(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
-    """What in upstream's code already makes `edit` ("" when nothing does)."""
-    in_scope = [s for s, _, _ in statements(scope)]
-    if edit.op == "import_beside":
-        names = {
-            _alias(a)
-            for s in source.module.body
-            if isinstance(s, cst.SimpleStatementLine)
-            for small in s.body
-            if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar)
-            for a in small.names
-        }
-        return f"it imports {edit.code}" if edit.code in names else ""
-    if edit.op == "replace":
-        old = _replace_count(source, scope, edit.target)
-        new = _replace_count(source, scope, edit.code)
-        return f"`{_first_line(edit.code)}` is there" if not old and new else ""
-    if edit.op == "condition":
-        match = statement_matcher(f"if {edit.code}")
-        hit = any(match(source, s) for s in in_scope)
-        return f"a gate tests `{_first_line(edit.code)}`" if hit else ""
-    if edit.op == "add_elif_after":
-        return _branch_present(source, scope, edit)
-    first = _first_statement(edit.code)
-    if first is None:
-        return ""
-    if isinstance(first, ast.FunctionDef | ast.ClassDef):
-        pattern = f"{'def' if isinstance(first, ast.FunctionDef) else 'class'} {first.name}"
-        match = statement_matcher(pattern)
-        return f"it defines {first.name}" if any(match(source, s) for s in in_scope) else ""
-    wanted = ast.dump(ast.Module(body=[first], type_ignores=[]))
-    hit = any(statement_form(source.code(s)) == wanted for s in in_scope)
-    return f"`{_first_line(ast.unparse(first))}` is there" if hit else ""
-
-
-def _branch_present(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
-    """A branch of the target's if-chain that already tests the new branch's arch
-    (or its condition)."""
-    header = edit.code.lstrip().removeprefix("elif").split("\n")[0].rstrip().rstrip(":")
-    try:
-        test = cst.parse_expression(header.strip())
-        target, _, _ = _one(source, scope, edit, f"if {edit.target}")
-    except (cst.ParserSyntaxError, Missing):
-        return ""
-    helpers = {archexpr.helper_name(t) for t in archexpr.arch_terms(test)}
-    wanted = expression_form(header)
-    for head, _, _ in statements(scope):
-        chain = _chain(head)
-        if target not in chain:
-            continue
-        for branch in chain:
-            tested = {archexpr.helper_name(t) for t in archexpr.arch_terms(branch.test)}
-            code = source.code(branch.test).strip()
-            if (helpers and helpers & tested) or expression_form(code) == wanted:
-                return f"a branch already tests `{code}`"
-    return ""
-
-
-def _chain(node: cst.CSTNode) -> list[cst.If]:
-    branches = []
-    while isinstance(node, cst.If):
-        branches.append(node)
-        node = node.orelse  # type: ignore[assignment]
-    return branches
-
-
-def _replace_count(source: Source, scope: cst.CSTNode, code: str) -> int:
-    form = expression_form(code)
-    if form is not None:
-        return len(expressions(scope, form, source))
-    wanted = statement_form(code)
-    return sum(statement_form(source.code(s)) == wanted for s, _, _ in statements(scope))
-
-
-def _first_statement(code: str) -> ast.stmt | None:
+def first_statement(code: str) -> ast.stmt | None:
     try:
         body = ast.parse(textwrap.dedent(code).strip("\n")).body
     except SyntaxError:
         return None
     return body[0] if body else None
-
-
-def _first_line(code: str) -> str:
-    return textwrap.dedent(code).strip().split("\n")[0]

@@ -27,6 +27,7 @@ class Source:
     module: cst.Module
     positions: dict[cst.CSTNode, object]
     line_starts: list[int] = field(default_factory=list)
+    _forms: dict[int, str | None] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, path: str, text: str) -> Source | None:
@@ -56,6 +57,16 @@ class Source:
     def code(self, node: cst.CSTNode) -> str:
         return self.module.code_for_node(node)
 
+    def form(self, node: cst.CSTNode) -> str | None:
+        """The syntax tree of a statement or expression (cached: scopes are searched
+        once per edit, and again to tell what upstream already has)."""
+        key = id(node)
+        if key not in self._forms:
+            code = self.code(node)
+            is_expression = isinstance(node, cst.BaseExpression)
+            self._forms[key] = expression_form(code) if is_expression else statement_form(code)
+        return self._forms[key]
+
 
 def expression_form(code: str) -> str | None:
     """The syntax tree of an expression, or None if `code` is not one."""
@@ -79,19 +90,19 @@ def statement_matcher(pattern: str) -> Callable[[Source, cst.CSTNode], bool]:
     """`if COND` / `elif COND` (the test), `def NAME` / `class NAME`, or a whole statement."""
     keyword, _, rest = pattern.strip().rstrip(":").partition(" ")
     if keyword in ("def", "class"):
-        kind = cst.FunctionDef if keyword == "def" else cst.ClassDef
-        return lambda _, node: isinstance(node, kind) and node.name.value == rest.strip()
+        definition = cst.FunctionDef if keyword == "def" else cst.ClassDef
+        name = rest.strip()
+        return lambda _, node: isinstance(node, definition) and node.name.value == name
     if keyword in ("if", "elif") and statement_form(pattern) is None:
         wanted = expression_form(rest)
-        return lambda source, node: (
-            isinstance(node, cst.If) and expression_form(source.code(node.test)) == wanted
-        )
+        return lambda source, node: isinstance(node, cst.If) and source.form(node.test) == wanted
     wanted = statement_form(pattern)
     if wanted is None:
         raise ValueError(f"`{pattern}` is not Python")
-    return lambda source, node: (
-        isinstance(node, cst.BaseStatement) and statement_form(source.code(node)) == wanted
+    kind: type[cst.CSTNode] = type(
+        cst.parse_module(textwrap.dedent(pattern).strip("\n") + "\n").body[0]
     )
+    return lambda source, node: isinstance(node, kind) and source.form(node) == wanted
 
 
 def statements(root: cst.CSTNode) -> Iterator[tuple[cst.BaseStatement, Block, int]]:
@@ -115,15 +126,15 @@ def statements(root: cst.CSTNode) -> Iterator[tuple[cst.BaseStatement, Block, in
     return iter(found)
 
 
-def expressions(root: cst.CSTNode, wanted: str, source: Source) -> list[cst.BaseExpression]:
-    """The outermost expressions under `root` whose syntax tree is `wanted`."""
+def expressions(root: cst.CSTNode, code: str, source: Source) -> list[cst.BaseExpression]:
+    """The outermost expressions under `root` with the syntax tree of `code`."""
     found: list[cst.BaseExpression] = []
+    wanted = expression_form(code)
+    kind = type(cst.parse_expression(f"(\n{textwrap.dedent(code).strip()}\n)"))
 
     class Walker(cst.CSTVisitor):
         def on_visit(self, node: cst.CSTNode) -> bool:
-            if isinstance(node, cst.BaseExpression) and (
-                expression_form(source.code(node)) == wanted
-            ):
+            if isinstance(node, kind) and source.form(node) == wanted:
                 found.append(node)
                 return False
             return True
@@ -157,9 +168,7 @@ def scopes(source: Source, edit: Edit) -> list[cst.CSTNode]:
         found = list(_named(source.module, edit))
     if edit.within:
         match = statement_matcher(f"if {edit.within}")
-        found = [
-            s.body for root in found for s, _, _ in statements(root) if match(source, s)
-        ]  # type: ignore[attr-defined]
+        found = [s.body for root in found for s, _, _ in statements(root) if match(source, s)]  # type: ignore[attr-defined]
     return found
 
 
@@ -177,35 +186,39 @@ def _defines(statement: cst.CSTNode, name: str) -> bool:
 
 
 def _named(module: cst.Module, edit: Edit) -> Iterable[cst.CSTNode]:
+    """Functions by qualified name, or what is registered for a model (a decorator or
+    an `if` test naming it); walks statements only, not expressions (fast)."""
     found: list[cst.CSTNode] = []
 
-    class Walker(cst.CSTVisitor):
-        def __init__(self) -> None:
-            super().__init__()
-            self.path: list[str] = []
-
-        def visit_ClassDef(self, node: cst.ClassDef) -> None:
-            self.path.append(node.name.value)
-
-        def leave_ClassDef(self, node: cst.ClassDef) -> None:
-            self.path.pop()
-
-        def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
-            self.path.append(node.name.value)
-            qualified = ".".join(self.path)
-            if edit.scope == "function" and f".{qualified}".endswith(f".{edit.name}"):
-                found.append(node)
-            if edit.scope == "model" and any(edit.name in _strings(d) for d in node.decorators):
-                found.append(node)
-
-        def leave_FunctionDef(self, node: cst.FunctionDef) -> None:
-            self.path.pop()
-
-        def visit_If(self, node: cst.If) -> None:
-            if edit.scope == "model" and edit.name in _strings(node.test):
+    def walk(body: Iterable[cst.CSTNode], path: tuple[str, ...]) -> None:
+        for node in body:
+            inner = path
+            if isinstance(node, cst.FunctionDef | cst.ClassDef):
+                inner = (*path, node.name.value)
+            if isinstance(node, cst.FunctionDef):
+                qualified = ".".join(inner)
+                if edit.scope == "function" and f".{qualified}".endswith(f".{edit.name}"):
+                    found.append(node)
+                if edit.scope == "model" and any(edit.name in _strings(d) for d in node.decorators):
+                    found.append(node)
+            if (
+                isinstance(node, cst.If)
+                and edit.scope == "model"
+                and edit.name in _strings(node.test)
+            ):
                 found.append(node.body)
+            for attr in ("body", "orelse", "handlers", "finalbody"):
+                child = getattr(node, attr, None)
+                if isinstance(child, cst.IndentedBlock | cst.Else | cst.Finally):
+                    child = child.body
+                if isinstance(child, cst.IndentedBlock):
+                    child = child.body
+                if isinstance(child, cst.CSTNode):
+                    child = [child]
+                if isinstance(child, list | tuple):
+                    walk(child, inner)
 
-    module.visit(Walker())
+    walk(module.body, ())
     return found
 
 

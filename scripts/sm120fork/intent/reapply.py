@@ -6,6 +6,7 @@ edit's output), so the edits of one file are spliced into it together.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import libcst as cst
 from sm120fork.intent import edits
 from sm120fork.intent.locate import Source, scope_key, scopes
 from sm120fork.intent.model import Edit, Intent
+from sm120fork.intent.present import present
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class _Tree:
 
     def find(self, edit: Edit) -> list[tuple[Source, cst.CSTNode]]:
         keys = scope_key(edit)
-        found = []
+        found: list[tuple[Source, cst.CSTNode]] = []
         for path in self.paths:
             if path not in self.texts:
                 self.texts[path] = self.read(path)
@@ -97,19 +99,19 @@ def _fits(
     fits: list[Fit] = []
     misses: list[str] = []
     for source, scope in found:
-        if note := edits.present(source, scope, edit):
+        if note := present(source, scope, edit):
             fits.append((source, note, []))
             continue
         try:
             fits.append((source, "", edits.plan(source, scope, edit, order)))
-        except edits.Missing as error:
+        except (edits.Missing, ValueError) as error:  # ValueError: a pattern that is not Python
             misses.append(f"{source.path}: {error};")
     return fits, misses
 
 
 def _spliced(text: str, splices: list[edits.Splice]) -> str | None:
     ordered = sorted(splices)
-    for first, second in zip(ordered, ordered[1:], strict=False):
+    for first, second in itertools.pairwise(ordered):
         if second.start < first.end:
             return None
     for splice in reversed(ordered):
