@@ -158,18 +158,19 @@ def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
 
 
 def scopes(source: Source, edit: Edit) -> list[cst.CSTNode]:
-    """The nodes in `source` that `edit`'s scope names (narrowed by `within`)."""
-    found: list[cst.CSTNode] = []
+    """The nodes in `source` that `edit`'s scope names."""
     if edit.scope == "module_of":
-        for statement in source.module.body:
-            if _defines(statement, edit.name):
-                found = [source.module]
-    else:
-        found = list(_named(source.module, edit))
-    if edit.within:
-        match = statement_matcher(f"if {edit.within}")
-        found = [s.body for root in found for s, _, _ in statements(root) if match(source, s)]  # type: ignore[attr-defined]
-    return found
+        defines = any(_defines(statement, edit.name) for statement in source.module.body)
+        return [source.module] if defines else []
+    return list(_named(source.module, edit))
+
+
+def within(source: Source, scope: cst.CSTNode, edit: Edit) -> list[cst.CSTNode]:
+    """`scope` narrowed to the bodies of its `if <edit.within>` (itself without `within`)."""
+    if not edit.within:
+        return [scope]
+    match = statement_matcher(f"if {edit.within}")
+    return [s.body for s, _, _ in statements(scope) if isinstance(s, cst.If) and match(source, s)]
 
 
 def _defines(statement: cst.CSTNode, name: str) -> bool:

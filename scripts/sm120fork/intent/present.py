@@ -13,6 +13,8 @@ import textwrap
 
 import libcst as cst
 
+from sm120fork.gates.model import ARCHS
+from sm120fork.gates.semantics import HELPERS
 from sm120fork.intent import archexpr
 from sm120fork.intent.edits import Missing, alias_name, first_statement, one
 from sm120fork.intent.locate import (
@@ -40,13 +42,13 @@ def present(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
         }
         return f"it imports {edit.code}" if edit.code in names else ""
     if edit.op == "replace":
-        old = _replace_count(source, scope, edit.target)
+        old = _replace_count(source, scope, edit.target, outside=edit.code)
         new = _replace_count(source, scope, edit.code)
         return f"`{_first_line(edit.code)}` is there" if not old and new else ""
     if edit.op == "condition":
         match = statement_matcher(f"if {edit.code}")
         hit = any(match(source, s) for s in in_scope)
-        return f"a gate tests `{_first_line(edit.code)}`" if hit else ""
+        return f"a gate tests `{_first_line(edit.code)}`" if hit else _widened(source, scope, edit)
     if edit.op == "add_elif_after":
         return _branch_present(source, scope, edit)
     first = first_statement(edit.code)
@@ -92,9 +94,46 @@ def _chain(node: cst.CSTNode) -> list[cst.If]:
     return branches
 
 
-def _replace_count(source: Source, scope: cst.CSTNode, code: str) -> int:
+def _widened(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
+    """A condition edit that lets architectures in (`X` -> `X or is_sm120...`) is made
+    when the old gate is gone and a gate in the scope admits those architectures."""
+    try:
+        one(source, scope, edit, f"if {edit.target}")
+        return ""  # the old gate is there: upstream did not change it
+    except Missing:
+        pass
+    old, new = _helpers(edit.target), _helpers(edit.code)
+    if not new - old:
+        return ""
+    archs = [a.name for a in ARCHS if any(HELPERS[h](a) for h in new - old)]
+    for statement in statements(scope):
+        if isinstance(statement[0], cst.If):
+            test = statement[0].test
+            if all(archexpr.admits(test, arch) for arch in archs):
+                code = source.code(test).strip()
+                return f"upstream's gate `{code}` already admits {', '.join(archs)}"
+    return ""
+
+
+def _helpers(code: str) -> set[str]:
+    try:
+        expression = cst.parse_expression(f"({textwrap.dedent(code).strip()})")
+    except cst.ParserSyntaxError:
+        return set()
+    names = {archexpr.helper_name(term) for term in archexpr.arch_terms(expression)}
+    return {name for name in names if name is not None}
+
+
+def _replace_count(source: Source, scope: cst.CSTNode, code: str, outside: str = "") -> int:
+    """Occurrences of `code` in the scope, not counting those inside `outside`'s (the new
+    choice often keeps the old one: `("triton" if is_sm120 else "fa3")`)."""
     if expression_form(code) is not None:
-        return len(expressions(scope, code, source))
+        found = expressions(scope, code, source)
+        if outside and expression_form(outside) is not None:
+            kept = expressions(scope, outside, source)
+            inside = sum(len(expressions(node, code, source)) for node in kept)
+            return len(found) - inside
+        return len(found)
     wanted = statement_form(code)
     return sum(source.form(s) == wanted for s, _, _ in statements(scope))
 

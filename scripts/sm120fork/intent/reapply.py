@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from sm120fork.intent import edits
-from sm120fork.intent.locate import Source, scope_key, scopes
+from sm120fork.intent.locate import Source, scope_key, scopes, within
 from sm120fork.intent.model import Edit, Intent
 from sm120fork.intent.present import present
 
@@ -98,14 +98,21 @@ def _fits(
     (a name can be in several modules: the one holding the anchor is meant)."""
     fits: list[Fit] = []
     misses: list[str] = []
-    for source, scope in found:
-        if note := present(source, scope, edit):
-            fits.append((source, note, []))
-            continue
-        try:
-            fits.append((source, "", edits.plan(source, scope, edit, order)))
-        except (edits.Missing, ValueError) as error:  # ValueError: a pattern that is not Python
-            misses.append(f"{source.path}: {error};")
+    for source, outer in found:
+        inner = within(source, outer, edit)
+        if not inner:  # the gate `within` names is gone: perhaps upstream made the change
+            if note := present(source, outer, edit):
+                fits.append((source, note, []))
+            else:
+                misses.append(f"{source.path}: no `if {edit.within}` in {edit.where()};")
+        for scope in inner:
+            if note := present(source, scope, edit):
+                fits.append((source, note, []))
+                continue
+            try:
+                fits.append((source, "", edits.plan(source, scope, edit, order)))
+            except (edits.Missing, ValueError) as error:  # ValueError: a pattern not Python
+                misses.append(f"{source.path}: {error};")
     return fits, misses
 
 
