@@ -99,6 +99,7 @@ def _before(source: Source, found: Found, code: str, order: int, edit: Edit | No
         raise Missing("cannot insert before an elif branch")
     first = statement
     decorators = getattr(statement, "decorators", ())
+    source.span(first)  # a top-level statement's positions come with its first span
     line = source.span(decorators[0] if decorators else first)[0]
     leading = list(getattr(statement, "leading_lines", ()))
     comments = _trailing_comments(leading)
@@ -206,6 +207,7 @@ def _import(source: Source, edit: Edit, order: int) -> Splice:
     if len(aliases) != 1:
         raise Missing(f"{len(aliases)} imports of {edit.target} in {edit.where()}")
     statement, alias = aliases[0]
+    source.focus(statement)
     line, _, _, end_column = source.span(alias.name)
     if line != source.span(statement)[0] and isinstance(alias.comma, cst.Comma):
         at = source.offset(line + 1)

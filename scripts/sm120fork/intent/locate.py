@@ -18,34 +18,67 @@ from sm120fork.intent.model import Edit
 Block = cst.Module | cst.IndentedBlock
 
 
+Span = tuple[int, int, int, int]  # start line, start column, end line, end column
+
+
 @dataclass
 class Source:
-    """One parsed module, with positions to edit its text in place."""
+    """One parsed module, with positions to edit its text in place.
+
+    Positions are worked out per top-level statement, when an edit first looks
+    inside it (`focus`): for the whole of a large module they cost more than the
+    parse, and an intent looks at a few functions."""
 
     path: str
     text: str
     module: cst.Module
-    positions: dict[cst.CSTNode, object]
+    tops: dict[cst.CSTNode, int]  # top-level statement -> the line its code starts on
     line_starts: list[int] = field(default_factory=list)
+    positions: dict[cst.CSTNode, Span] = field(default_factory=dict)
     _forms: dict[int, str | None] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, path: str, text: str) -> Source | None:
         try:
-            wrapper = MetadataWrapper(cst.parse_module(text), unsafe_skip_copy=True)
-        except cst.ParserSyntaxError:
+            module, tree = cst.parse_module(text), ast.parse(text)
+        except (cst.ParserSyntaxError, SyntaxError, ValueError):
             return None
-        positions = dict(wrapper.resolve(PositionProvider))
+        tops: dict[cst.CSTNode, int] = {}
+        index = 0
+        for statement in module.body:
+            if index >= len(tree.body):
+                return None
+            node = tree.body[index]
+            first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+            tops[statement] = first - len(statement.leading_lines)
+            index += len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
         starts = [0]
-        for line in text.splitlines(keepends=True):
-            starts.append(starts[-1] + len(line))
-        return cls(path, text, wrapper.module, positions, starts)  # type: ignore[arg-type]
+        for line in text.split("\n"):
+            starts.append(starts[-1] + len(line) + 1)
+        return cls(path, text, module, tops, starts)
 
-    def span(self, node: cst.CSTNode) -> tuple[int, int, int, int]:
-        """(start line, start column, end line, end column), lines from 1."""
-        where = self.positions[node]
-        start, end = where.start, where.end  # type: ignore[attr-defined]
-        return start.line, start.column, end.line, end.column
+    def focus(self, top: cst.CSTNode) -> None:
+        """Positions for everything inside the top-level statement `top`."""
+        if top in self.positions:
+            return
+        alone = cst.Module(
+            body=[top],  # type: ignore[list-item]
+            default_indent=self.module.default_indent,
+            default_newline=self.module.default_newline,
+        )
+        shift = self.tops[top] - 1
+        for node, where in (
+            MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider).items()
+        ):
+            start, end = where.start, where.end
+            self.positions[node] = (start.line + shift, start.column, end.line + shift, end.column)
+
+    def span(self, node: cst.CSTNode) -> Span:
+        """(start line, start column, end line, end column), lines from 1; `node` is a
+        top-level statement or inside one that was focused."""
+        if node not in self.positions and node in self.tops:
+            self.focus(node)
+        return self.positions[node]
 
     def offset(self, line: int, column: int = 0) -> int:
         return self.line_starts[min(line - 1, len(self.line_starts) - 1)] + column
@@ -162,7 +195,7 @@ def scopes(source: Source, edit: Edit) -> list[cst.CSTNode]:
     if edit.scope == "module_of":
         defines = any(_defines(statement, edit.name) for statement in source.module.body)
         return [source.module] if defines else []
-    return list(_named(source.module, edit))
+    return _named(source, edit)
 
 
 def within(source: Source, scope: cst.CSTNode, edit: Edit) -> list[cst.CSTNode]:
@@ -186,28 +219,33 @@ def _defines(statement: cst.CSTNode, name: str) -> bool:
     return False
 
 
-def _named(module: cst.Module, edit: Edit) -> Iterable[cst.CSTNode]:
+def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
     """Functions by qualified name, or what is registered for a model (a decorator or
     an `if` test naming it); walks statements only, not expressions (fast)."""
     found: list[cst.CSTNode] = []
 
-    def walk(body: Iterable[cst.CSTNode], path: tuple[str, ...]) -> None:
+    def walk(body: Iterable[cst.CSTNode], path: tuple[str, ...], top: cst.CSTNode) -> None:
         for node in body:
+            top = node if node in source.tops else top
             inner = path
             if isinstance(node, cst.FunctionDef | cst.ClassDef):
                 inner = (*path, node.name.value)
+            hit: cst.CSTNode | None = None
             if isinstance(node, cst.FunctionDef):
                 qualified = ".".join(inner)
                 if edit.scope == "function" and f".{qualified}".endswith(f".{edit.name}"):
-                    found.append(node)
+                    hit = node
                 if edit.scope == "model" and any(edit.name in _strings(d) for d in node.decorators):
-                    found.append(node)
+                    hit = node
             if (
                 isinstance(node, cst.If)
                 and edit.scope == "model"
                 and edit.name in _strings(node.test)
             ):
-                found.append(node.body)
+                hit = node.body
+            if hit is not None:
+                source.focus(top)
+                found.append(hit)
             for attr in ("body", "orelse", "handlers", "finalbody"):
                 child = getattr(node, attr, None)
                 if isinstance(child, cst.IndentedBlock | cst.Else | cst.Finally):
@@ -217,9 +255,9 @@ def _named(module: cst.Module, edit: Edit) -> Iterable[cst.CSTNode]:
                 if isinstance(child, cst.CSTNode):
                     child = [child]
                 if isinstance(child, list | tuple):
-                    walk(child, inner)
+                    walk(child, inner, top)
 
-    walk(module.body, ())
+    walk(source.module.body, (), source.module)
     return found
 
 

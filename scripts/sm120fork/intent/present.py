@@ -58,8 +58,8 @@ def present(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
         pattern = f"{'def' if isinstance(first, ast.FunctionDef) else 'class'} {first.name}"
         match = statement_matcher(pattern)
         return f"it defines {first.name}" if any(match(source, s) for s in in_scope) else ""
-    wanted = ast.dump(ast.Module(body=[first], type_ignores=[]))
-    hit = any(source.form(s) == wanted for s in in_scope)
+    match = statement_matcher(ast.unparse(first))
+    hit = any(match(source, s) for s in in_scope)
     return f"`{_first_line(ast.unparse(first))}` is there" if hit else ""
 
 
