@@ -231,12 +231,15 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
             if isinstance(node, cst.FunctionDef | cst.ClassDef):
                 inner = (*path, node.name.value)
             hit: cst.CSTNode | None = None
-            if isinstance(node, cst.FunctionDef):
+            if isinstance(node, cst.FunctionDef | cst.ClassDef):
                 qualified = ".".join(inner)
-                if edit.scope == "function" and f".{qualified}".endswith(f".{edit.name}"):
+                wanted = cst.FunctionDef if edit.scope == "function" else cst.ClassDef
+                named = f".{qualified}".endswith(f".{edit.name}")
+                if edit.scope in ("function", "class") and isinstance(node, wanted) and named:
                     hit = node
-                if edit.scope == "model" and any(edit.name in _strings(d) for d in node.decorators):
-                    hit = node
+            decorators = node.decorators if isinstance(node, cst.FunctionDef) else ()
+            if edit.scope == "model" and any(edit.name in _strings(d) for d in decorators):
+                hit = node
             if (
                 isinstance(node, cst.If)
                 and edit.scope == "model"
@@ -263,7 +266,8 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
 
 def scope_key(edit: Edit) -> list[str]:
     """Text a module must hold to be searched for the scope (a cheap filter)."""
-    if edit.scope == "function":
-        *classes, function = edit.name.split(".")
-        return [f"def {function}", *(f"class {c}" for c in classes)]
+    if edit.scope in ("function", "class"):
+        *classes, last = edit.name.split(".")
+        keyword = "def" if edit.scope == "function" else "class"
+        return [f"{keyword} {last}", *(f"class {c}" for c in classes)]
     return [edit.name]
