@@ -142,12 +142,16 @@ def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Spl
     op = edit.op
     if op.startswith("refuse") and not _raises(edit.code):
         raise Missing(f"`{op}` code must raise (a refusal)")
+    if op == "add_branch_before":
+        return _branch_before(source, scope, edit, order)
+    if op == "comment_after":
+        return [_comment_after(source, scope, edit, order)]
     if op.endswith("_at"):
         return [_top(source, scope, edit, order)]
-    if op.endswith("_after") and op != "add_elif_after":
+    if op in ("insert_after", "refuse_after"):
         found = one(source, scope, edit, edit.target)
         return [_after(source, found, edit.code, order, edit)]
-    if op.endswith("_before"):
+    if op in ("insert_before", "refuse_before"):
         found = one(source, scope, edit, edit.target)
         return [_before(source, found, edit.code, order, edit)]
     if op == "add_elif_after":
@@ -158,10 +162,6 @@ def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Spl
         at = source.offset(source.span(branch.body)[2] + 1)
         text = block_text(edit.code, source.indent(source.span(branch)[0]))
         return [Splice(at, at, order, text)]
-    if op == "add_branch_before":
-        return _branch_before(source, scope, edit, order)
-    if op == "comment_after":
-        return [_comment_after(source, scope, edit, order)]
     if op == "condition":
         branch, _, _ = one(source, scope, edit, f"if {edit.target}")
         assert isinstance(branch, cst.If)

@@ -140,10 +140,14 @@ def statement_matcher(pattern: str) -> Callable[[Source, cst.CSTNode], bool]:
 
 def statements(root: cst.CSTNode) -> Iterator[tuple[cst.BaseStatement, Block, int]]:
     """Every statement under `root` (elif branches included), with its block and index;
-    under a module, only the module's own statements (`module_of` edits module level)."""
+    under a module or a class, only its own statements (`module_of` edits module level,
+    `class` the class's fields)."""
     found: list[tuple[cst.BaseStatement, Block, int]] = []
     if isinstance(root, cst.Module):
         return iter([(s, root, i) for i, s in enumerate(root.body)])
+    if isinstance(root, cst.ClassDef) and isinstance(root.body, cst.IndentedBlock):
+        block = root.body
+        return iter([(s, block, i) for i, s in enumerate(block.body)])
 
     class Walker(cst.CSTVisitor):
         def on_visit(self, node: cst.CSTNode) -> bool:
