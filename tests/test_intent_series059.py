@@ -4,6 +4,7 @@ intent for each of its patches, each reproducing its patch byte for byte on sgla
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import zipfile
@@ -19,11 +20,35 @@ from sm120fork.patches.series import read_series
 SERIES = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "series-0.5.9"
 ENTRIES = read_series(SERIES / "series").entries
 NAMES = [entry.name for entry in ENTRIES]
+GLM4 = "python/sglang/srt/arg_groups/model_overrides/glm4_moe.py"
 Case = tuple[dict[str, str | None], dict[str, str | None]]  # a patch's files, before and after
 
 
 def test_every_patch_of_the_0_5_9_series_has_an_intent() -> None:
     assert sorted(load_intents(SERIES / "intents.toml")) == sorted(NAMES)
+
+
+def test_the_0_5_9_glm4_moe_intent_follows_its_gate_to_0_5_23() -> None:
+    """0.5.9's gate sat in ServerArgs under `elif model_arch in ["Glm4MoeForCausalLM"]`
+    and tested `is_sm100_supported()`; 0.5.23 (vendored) has it in its own override
+    module behind `@_register_for` and tests `get_platform().is_sm100`."""
+    intent = load_intents(SERIES / "intents.toml")["sm120-glm4-moe-runner.patch"]
+    vendor = Path(__file__).resolve().parents[1] / "vendor" / "sglang"
+    overrides = vendor / "python/sglang/srt/arg_groups"
+    paths = [p.relative_to(vendor).as_posix() for p in sorted(overrides.rglob("*.py"))]
+
+    def read(path: str) -> str | None:
+        file = vendor / path
+        return file.read_text(encoding="utf-8") if file.is_file() else None
+
+    result = reapply(intent, read, paths)
+    assert result.status == "resolved", result.detail
+    (path, new) = next(iter(result.changes.items()))
+    assert (path, len(result.changes)) == (f"{GLM4}", 1)
+    assert "    if get_platform().is_sm100 or get_platform().is_sm120:\n" in new
+    assert "            get_platform().is_sm120\n            and quant_method" in new
+    assert '("flashinfer_cutlass" if get_platform().is_sm120 else "flashinfer_trtllm")' in new
+    ast.parse(new)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ast
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import libcst as cst
 
+from sm120fork.intent.archform import spelled_for
 from sm120fork.intent.locate import (
     Block,
     Source,
@@ -140,6 +141,8 @@ def _top(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> Splice:
 def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
     """The splices that make `edit` in `source`; Missing when its anchor is not there."""
     op = edit.op
+    if op != "import_beside":
+        edit = replace(edit, code=spelled_for(source.text, edit.code))
     if op.startswith("refuse") and not _raises(edit.code):
         raise Missing(f"`{op}` code must raise (a refusal)")
     if op == "add_branch_before":

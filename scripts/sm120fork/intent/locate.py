@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from sm120fork.intent.archform import canonical
 from sm120fork.intent.model import Edit
 
 Block = cst.Module | cst.IndentedBlock
@@ -102,16 +103,17 @@ class Source:
 
 
 def expression_form(code: str) -> str | None:
-    """The syntax tree of an expression, or None if `code` is not one."""
+    """The syntax tree of an expression (arch tests in one spelling), or None if `code`
+    is not one."""
     try:
-        return ast.dump(ast.parse(f"(\n{code}\n)", mode="eval").body)
+        return ast.dump(canonical(ast.parse(f"(\n{code}\n)", mode="eval").body))
     except SyntaxError:
         return None
 
 
 def statement_form(code: str) -> str | None:
     try:
-        return ast.dump(ast.parse(textwrap.dedent(code).strip("\n") + "\n"))
+        return ast.dump(canonical(ast.parse(textwrap.dedent(code).strip("\n") + "\n")))
     except SyntaxError:
         return None
 
