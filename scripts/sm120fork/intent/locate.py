@@ -270,10 +270,13 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
     return found
 
 
-def scope_key(edit: Edit) -> list[str]:
-    """Text a module must hold to be searched for the scope (a cheap filter)."""
+def may_hold(edit: Edit, text: str) -> bool:
+    """Whether a module's text can hold the edit's scope (a cheap filter before parsing:
+    a model is registered by a string literal, a def by `def NAME`)."""
     if edit.scope in ("function", "class"):
         *classes, last = edit.name.split(".")
         keyword = "def" if edit.scope == "function" else "class"
-        return [f"{keyword} {last}", *(f"class {c}" for c in classes)]
-    return [edit.name]
+        return all(key in text for key in [f"{keyword} {last}", *(f"class {c}" for c in classes)])
+    if edit.scope == "model":
+        return f'"{edit.name}"' in text or f"'{edit.name}'" in text
+    return edit.name in text

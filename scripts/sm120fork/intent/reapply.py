@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 
 from sm120fork.intent import edits
-from sm120fork.intent.locate import Source, scope_key, scopes, within
+from sm120fork.intent.locate import Source, may_hold, scopes, within
 from sm120fork.intent.model import Edit, Intent
 from sm120fork.intent.present import present
 
@@ -35,13 +35,12 @@ class _Tree:
         self.sources: dict[str, Source | None] = {}
 
     def find(self, edit: Edit) -> list[tuple[Source, cst.CSTNode]]:
-        keys = scope_key(edit)
         found: list[tuple[Source, cst.CSTNode]] = []
         for path in self.paths:
             if path not in self.texts:
                 self.texts[path] = self.read(path)
             text = self.texts[path]
-            if text is None or not all(key in text for key in keys):
+            if text is None or not may_hold(edit, text):
                 continue
             if path not in self.sources:
                 self.sources[path] = Source.parse(path, text)
