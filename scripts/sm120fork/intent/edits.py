@@ -9,7 +9,6 @@ intent and indented to where it lands.
 from __future__ import annotations
 
 import ast
-import textwrap
 from dataclasses import dataclass, replace
 
 import libcst as cst
@@ -25,6 +24,14 @@ from sm120fork.intent.locate import (
     statements,
 )
 from sm120fork.intent.model import Edit
+from sm120fork.intent.text import (
+    blank_lines,
+    block_text,
+    first_statement,
+    inline_text,
+    raises,
+    trailing_comments,
+)
 
 
 class Missing(Exception):
@@ -42,26 +49,6 @@ class Splice:
     end: int
     order: int  # zero-width splices at one offset keep the intent's order
     text: str
-
-
-def block_text(code: str, indent: str) -> str:
-    lines = textwrap.dedent(code).strip("\n").split("\n")
-    return "".join(f"{indent}{line}\n" if line.strip() else "\n" for line in lines)
-
-
-def inline_text(code: str, indent: str) -> str:
-    """`code` at a position inside a line: its later lines follow that line's indent."""
-    first, *rest = textwrap.dedent(code).strip("\n").split("\n")
-    return "\n".join([first, *(f"{indent}{line}" if line.strip() else "" for line in rest)])
-
-
-def _blanks(lines: tuple[cst.EmptyLine, ...] | list[cst.EmptyLine]) -> int:
-    count = 0
-    for line in lines:
-        if line.comment is not None:
-            break
-        count += 1
-    return count
 
 
 Found = tuple[cst.BaseStatement, Block, int]
@@ -94,7 +81,7 @@ def _after(source: Source, found: Found, code: str, order: int, edit: Edit | Non
     line = source.span(statement)[2] + 1
     following = block.body[index + 1] if 0 <= index < len(block.body) - 1 else None
     # The last statement of a block: a paragraph is set off by one blank line.
-    blanks = _blanks(getattr(following, "leading_lines", ())) if following is not None else 1
+    blanks = blank_lines(getattr(following, "leading_lines", ())) if following is not None else 1
     blanks = blanks if _separated(code, edit) else 0
     indent = source.indent(source.span(statement)[0])
     at = source.offset(line)
@@ -110,20 +97,11 @@ def _before(source: Source, found: Found, code: str, order: int, edit: Edit | No
     source.span(first)  # a top-level statement's positions come with its first span
     line = source.span(decorators[0] if decorators else first)[0]
     leading = list(getattr(statement, "leading_lines", ()))
-    comments = _trailing_comments(leading)
-    blanks = _blanks(list(reversed(leading[: len(leading) - comments])))
+    comments = trailing_comments(leading)
+    blanks = blank_lines(list(reversed(leading[: len(leading) - comments])))
     blanks = blanks if _separated(code, edit) else 0
     at = source.offset(line - comments)
     return Splice(at, at, order, block_text(code, source.indent(line)) + "\n" * blanks)
-
-
-def _trailing_comments(leading: list[cst.EmptyLine]) -> int:
-    count = 0
-    for line in reversed(leading):
-        if line.comment is None:
-            break
-        count += 1
-    return count
 
 
 def _top(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> Splice:
@@ -165,7 +143,7 @@ def plan(
 
 def _plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
     op = edit.op
-    if op.startswith("refuse") and not _raises(edit.code):
+    if op.startswith("refuse") and not raises(edit.code):
         raise Missing(f"`{op}` code must raise (a refusal)")
     if op == "add_branch_before":
         return _branch_before(source, scope, edit, order)
@@ -284,19 +262,3 @@ def alias_name(alias: cst.ImportAlias) -> str:
     if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
         return alias.asname.name.value
     return cst.Module(body=()).code_for_node(alias.name)
-
-
-def _raises(code: str) -> bool:
-    try:
-        tree = ast.parse(textwrap.dedent(code).strip("\n"))
-    except SyntaxError:
-        return False
-    return any(isinstance(node, ast.Raise) for node in ast.walk(tree))
-
-
-def first_statement(code: str) -> ast.stmt | None:
-    try:
-        body = ast.parse(textwrap.dedent(code).strip("\n")).body
-    except SyntaxError:
-        return None
-    return body[0] if body else None

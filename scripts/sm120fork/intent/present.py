@@ -17,7 +17,7 @@ from sm120fork.gates.model import ARCHS
 from sm120fork.gates.semantics import HELPERS
 from sm120fork.intent import archexpr
 from sm120fork.intent.archform import needs_no_import
-from sm120fork.intent.edits import Missing, alias_name, first_statement, one
+from sm120fork.intent.edits import Missing, alias_name, one
 from sm120fork.intent.locate import (
     Source,
     expression_form,
@@ -27,6 +27,7 @@ from sm120fork.intent.locate import (
     statements,
 )
 from sm120fork.intent.model import Edit
+from sm120fork.intent.text import first_statement
 
 
 def present(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
