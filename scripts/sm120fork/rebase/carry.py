@@ -27,7 +27,7 @@ against it, with its original header (landing decides Last-Update).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from sm120fork.intent.model import Intent
 from sm120fork.intent.reapply import Reapplied, reapply
@@ -35,11 +35,12 @@ from sm120fork.patches.applier import ApplyError, Overlay, PatchResult, apply_pa
 from sm120fork.patches.diffs import FileDiff, Hunk, HunkLine
 from sm120fork.patches.normalform import DiffRenderer, render_patch
 from sm120fork.patches.patchfile import PatchFile, parse_patch
-from sm120fork.rebase import cosmetic
+from sm120fork.rebase import behaviour, cosmetic
 from sm120fork.rebase.conflicts import describe
 from sm120fork.rebase.names import broken_lines
 from sm120fork.rebase.state import Conflict, PatchState, Status, Target
 from sm120fork.rebase.workrepo import WorkRepo
+from sm120fork.rebase.workspace import say
 
 _FLIP = {"+": "-", "-": "+", " ": " "}
 
@@ -60,8 +61,10 @@ def carry(
     target: Target,
     renderer: DiffRenderer,
     intent: Intent | None = None,
+    fork_root: Path | None = None,
 ) -> Outcome:
-    """Carry `patch` onto `tip` (the work tree, clean at `tip`) at release `target`."""
+    """Carry `patch` onto `tip` (the work tree, clean at `tip`) at release `target`
+    (`fork_root`: the fork's checkout, whose gate rows behaviour.py runs)."""
     version = target.version
     parsed = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
     if apply_to_worktree(repo, parsed, allow_offset=False) is not None:
@@ -104,10 +107,39 @@ def carry(
             f"({where}); the tool kept both sides' changes (cosmetic.py); refreshed"
         )
         return replace(finish(repo, parsed, tip, renderer, "merged", reason), conflicts=())
+    judged = _behaviour(repo, target, parsed, fork_root)
+    if judged is not None and judged[0]:
+        repo.checkout(tip)
+        return _dropped(judged[1])
     reason = _conflicts_detail(target.version, conflicts)
     if verdict is not None:
         reason += f"; its intent did not help: {verdict.detail}"
+    if judged is not None:
+        reason += f"; its gate rows did not settle it: {judged[1]}"
     return Outcome("conflict", reason, conflicts=conflicts)
+
+
+@dataclass(frozen=True)
+class _Judged:
+    """What behaviour.judge reads (until carry's strategies take a CarryContext)."""
+
+    repo: WorkRepo
+    target: Target
+    fork_root: Path
+    parsed: PatchFile
+
+    @property
+    def name(self) -> str:
+        return self.parsed.name
+
+
+def _behaviour(
+    repo: WorkRepo, target: Target, parsed: PatchFile, fork_root: Path | None
+) -> tuple[bool, str] | None:
+    if fork_root is None:
+        return None
+    context = _Judged(repo, target, fork_root, parsed)
+    return behaviour.judge(context, context, say)
 
 
 def _by_intent(

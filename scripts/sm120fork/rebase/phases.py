@@ -108,7 +108,15 @@ def _carry_release(
             shown.update(patches, completed=number + 1)
             continue  # dropped at an earlier release, or a dry run went past its conflict
         shown.update(patches, name=f"patch {patch.name}")
-        outcome = carry(repo, patch, state.tip, state.target, renderer, intents.get(patch.name))
+        outcome = carry(
+            repo,
+            patch,
+            state.tip,
+            state.target,
+            renderer,
+            intents.get(patch.name),
+            workspace.paths.root,
+        )
         outcome = checked(repo, state.tip, outcome, state.target.version, patch.commit)
         crash_point("mid-carry")
         state = ledger.record(state, number, outcome)
