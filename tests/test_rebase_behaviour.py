@@ -1,6 +1,7 @@
 """The behaviour strategy's rules (rebase/behaviour.py, rebase/gaterows.py) and the
-gate environments keyed by pin set (gateenv.for_release), without a gate run: the
-rebase onto a synthetic release that runs the real rows is tests/gates/test_behaviour_rebase.py."""
+gate environments keyed by pin set (gateenv.for_release), without a gate run; the
+rebase onto a synthetic release that runs the real rows is in
+tests/gates/test_synthetic_releases.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from sm120fork import gateenv
 from sm120fork.patches.patchfile import PatchFile, parse_patch
 from sm120fork.rebase import behaviour, gaterows
@@ -38,6 +38,7 @@ ADDED = 'if sm120:\n        raise ValueError("built for SM100/SM103 only, not SM
 
 def cell(arch: str, expected: str, observed: str, **flags: object) -> gaterows.Cell:
     ok = bool(flags.get("ok", expected == observed))
+    wants = flags.get("expects_raise")
     return gaterows.Cell(
         row=int(str(flags.get("row", 7))),
         scenario="s",
@@ -47,9 +48,7 @@ def cell(arch: str, expected: str, observed: str, **flags: object) -> gaterows.C
         observed=observed,
         ok=ok,
         raised=bool(flags.get("raised", False)),
-        expects_raise=flags.get("expects_raise")
-        if isinstance(flags.get("expects_raise"), str)
-        else None,
+        expects_raise=wants if isinstance(wants, str) else None,
         blind=bool(flags.get("blind", False)),
     )
 
@@ -83,6 +82,19 @@ def test_upstream_refusing_in_its_own_words_meets_the_patch_s_refusal() -> None:
     upstreamed, why = behaviour.verdict("0.5.10", "1 gate-table row", [refused], ADDED)
     assert upstreamed
     assert "in its own words" in why and "needs SM100" in why
+
+
+def test_a_refusal_prefixed_at_run_time_is_still_the_patch_s_own() -> None:
+    wanted = "--fp8-gemm-backend trtllm: built for SM100/SM103 only, not SM12x"
+    refused = cell(
+        "sm121",
+        f'"raises:{wanted}"',
+        '"raises:ValueError: no"',
+        ok=False,
+        raised=True,
+        expects_raise=wanted,
+    )
+    assert behaviour.verdict("0.5.10", "1 gate-table row", [refused], ADDED)[0]
 
 
 def test_a_refusal_the_patch_does_not_word_must_match_exactly() -> None:
@@ -165,7 +177,7 @@ def test_no_install_says_how_to_install(tmp_path: Path, monkeypatch: pytest.Monk
     root = tmp_path / "fork"
     root.mkdir()
     (root / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = []\n')
-    with pytest.raises(gateenv.GateEnvError, match="--release 0.5.10"):
+    with pytest.raises(gateenv.GateEnvError, match=r"--release 0\.5\.10"):
         gaterows.gate_env(root, "0.5.10", print)
 
 

@@ -112,8 +112,15 @@ def _more(count: int) -> str:
 
 
 def _own_refusal(cell: gaterows.Cell, added: str) -> bool:
-    """A cell expecting the patch's own refusal message, met by upstream refusing."""
-    return bool(cell.expects_raise) and cell.raised and (cell.expects_raise or "") in added
+    """A cell expecting the patch's own refusal message, met by upstream refusing. The
+    words are the patch's when its added lines hold them, or hold what follows their
+    first `: ` (a prefix such as `--attention-backend trtllm_mla: ` the patch formats
+    at run time)."""
+    words = cell.expects_raise
+    if not words or not cell.raised:
+        return False
+    tail = words.partition(": ")[2]
+    return words in added or (len(tail) >= 20 and tail in added)
 
 
 def _added_text(patch: PatchFile) -> str:
