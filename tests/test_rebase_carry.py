@@ -59,6 +59,10 @@ def test_every_status_and_its_detail(carried: Path) -> None:
         ("0004-reverse.patch", "upstreamed"),
         ("0005-empty.patch", "upstreamed"),
     ]
+    # Which strategy of carry.STRATEGIES carried or dropped each one.
+    assert [p["strategy"] for p in report["patches"]] == [
+        "exact", "offset", "3-way", "reverse", "3-way"
+    ]  # fmt: skip
     details = {p["name"]: p["detail"] for p in report["patches"]}
     assert "server_args.py +5" in details["0002-offset.patch"]
     assert "reverse-applies" in details["0004-reverse.patch"]
@@ -108,12 +112,14 @@ def test_changelog_entry_and_markdown_report(carried: Path) -> None:
     text = (carried / "CHANGELOG.md").read_text()
     assert text.startswith("# Changelog\n\n## 0.5.10+sm120.1 - 2026-12-01\n\n### Upstream\n")
     assert text.index("## 0.5.10+sm120.1") < text.index("## 0.5.9+sm120.1")
-    assert "- `0001-clean.patch`: carried unchanged." in text
-    assert "- `0002-offset.patch`: refreshed (it applied at shifted lines)." in text
+    assert "- `0001-clean.patch`: carried unchanged [strategy: exact]." in text
+    assert (
+        "- `0002-offset.patch`: refreshed (it applied at shifted lines) [strategy: offset]."
+    ) in text
     assert "- `0004-reverse.patch`: dropped as upstreamed: upstream 0.5.10 already" in text
     assert "### Gates\n" in text
     assert read_fork_version(carried / "CHANGELOG.md", "0.5.10").n == 1
     md = (carried / "build/rebase/report.md").read_text()
     assert "From sglang 0.5.9 to 0.5.10 (git): **complete**" in md
-    assert "| `0003-merged.patch` | merged |" in md
+    assert "| `0003-merged.patch` | merged | 3-way |" in md
     assert "## Gates" in md

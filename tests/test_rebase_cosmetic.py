@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 from rebasefork import BASE, SA, edited, make_rebase_fork
-from sm120fork.rebase.cosmetic import IMPORTS, REWORDED, resolve_block, resolve_text
+from sm120fork.rebase.resolutions import PHRASES, resolve_block, resolve_text
+
+REWORDED, IMPORTS = "docstring", "import-list"  # the rules' names
 
 BASE_BLOCK = ["    if nsa(cfg):  # DeepSeek 3.2, GLM\n", "        x = 1\n"]
 PATCH_BLOCK = [BASE_BLOCK[0], "        guard()\n", BASE_BLOCK[1]]
@@ -20,7 +22,6 @@ def test_a_reworded_comment_keeps_upstreams_words_and_the_patchs_change() -> Non
     [
         ["    if nsa(cfg) and sm100:  # DeepSeek 3.2, GLM\n", BASE_BLOCK[1]],  # code changed
         ["if nsa(cfg):  # DeepSeek 3.2, GLM\n", BASE_BLOCK[1]],  # indentation is code
-        [BASE_BLOCK[0], "        # new comment line\n", BASE_BLOCK[1]],  # a line more
     ],
 )
 def test_anything_but_a_comment_edit_stays_a_conflict(ours: list[str]) -> None:
@@ -36,7 +37,9 @@ def test_a_line_both_sides_changed_stays_a_conflict() -> None:
 def test_a_hash_inside_a_string_is_not_a_comment() -> None:
     base = ['    s = "a # b"\n']
     ours = ['    s = "a # c"\n']
-    assert resolve_block(ours, base, [*base, "    guard()\n"]) is None
+    theirs = [*base, "    guard()\n"]
+    # Not a re-worded comment; upstream changed the code line above the patch's.
+    assert resolve_block(ours, base, theirs) == ([*ours, "    guard()\n"], "adjacent-edits")
 
 
 def test_resolve_text_resolves_every_block_or_none() -> None:
@@ -70,7 +73,8 @@ def test_rebase_merges_past_a_comment_upstream_reworded(request: pytest.FixtureR
     assert result.returncode == 0, result.stderr
     [patch] = fork.report()["patches"]
     assert patch["status"] == "merged"
-    assert f"conflicted only where {REWORDED}" in patch["detail"]
+    assert f"conflicted only where {PHRASES[REWORDED]}" in patch["detail"]
+    assert patch["strategy"] == REWORDED
     text = fork.read(f"vendor/sglang/{SA}")
     assert "x_24 = 24  # upstream's note\n" in text
     assert "+x_25 = 'fork'" in fork.read("patches/0001-a.patch")
@@ -114,7 +118,9 @@ def test_a_reworded_one_line_docstring_counts_as_a_comment() -> None:
     theirs = [base[0], "    guard()\n", base[1]]
     assert resolve_block(ours, base, theirs) == ([ours[0], "    guard()\n", ours[1]], REWORDED)
     code = ['    s = "a"\n', "    if x:\n"]  # a string in an assignment is code
-    assert resolve_block(['    s = "b"\n', "    if x:\n"], code, [code[0], "    g()\n"]) is None
+    theirs = [code[0], "    g()\n"]
+    resolved = resolve_block(['    s = "b"\n', "    if x:\n"], code, theirs)
+    assert resolved == (['    s = "b"\n', "    g()\n"], "adjacent-edits")  # not "docstring"
 
 
 def test_names_inside_one_parenthesized_import_list() -> None:
@@ -127,4 +133,8 @@ def test_names_inside_one_parenthesized_import_list() -> None:
     assert resolve_block(
         [], ["    is_sm100_supported,\n"], ["    is_sm100_supported,\n", "    is_sm120,\n"]
     ) == (["    is_sm120,\n"], IMPORTS)
-    assert resolve_block(["    x = 1,\n"], [], ["    name,\n"]) is None
+    # Not an import list: two insertions at one point, upstream's first.
+    assert resolve_block(["    x = 1,\n"], [], ["    name,\n"]) == (
+        ["    x = 1,\n", "    name,\n"],
+        "two-insertions",
+    )

@@ -21,7 +21,7 @@ def test_a_patch_that_applies_but_uses_a_vanished_name_is_a_conflict(
     assert result.returncode == 1, result.stderr
     [patch] = fork.report()["patches"]
     assert patch["status"] == "conflict"
-    assert "it was carried (clean), but its own lines break on 0.5.10" in patch["detail"]
+    assert "it was carried (clean, by exact), but its own lines break on 0.5.10" in patch["detail"]
     assert "undefined name `helper` (server_args.py:25)" in patch["detail"]
     [conflict] = patch["conflicts"]
     assert (conflict["file"], conflict["line"], conflict["ours"]) == (SA, 25, "x_25 = helper()")

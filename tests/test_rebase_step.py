@@ -36,6 +36,7 @@ def test_step_names_the_first_release_that_broke_each_patch(request: pytest.Fixt
         ("0.5.10", "clean", False),
         ("0.5.11", "merged", False),
     ]
+    assert [s["strategy"] for s in a["steps"]] == ["exact", "3-way"]
     assert a["detail"].startswith("first needed a 3-way merge at 0.5.11; ")
     assert b["detail"].startswith("went upstream at 0.5.10; ")
     assert [s["version"] for s in b["steps"]] == ["0.5.10"]  # not carried further
@@ -46,12 +47,12 @@ def test_step_names_the_first_release_that_broke_each_patch(request: pytest.Fixt
     assert fork.read("patches/series") == "0001-a.patch\n0003-c.patch\n"
     changelog = fork.read("CHANGELOG.md")
     assert "- `0001-a.patch`: merged with upstream's changes" in changelog
-    assert "(first needed a 3-way merge at 0.5.11)." in changelog
+    assert "(first needed a 3-way merge at 0.5.11) [strategy: 3-way]." in changelog
     # One entry per release walked, newest first, each saying what happened there.
     newest, walked = changelog.split("## 0.5.10+sm120.1 - ", 1)
     assert "## 0.5.11+sm120.1 - " in newest
     assert "- `0002-b.patch`: dropped as upstreamed: " in walked
-    assert "- `0001-a.patch`: carried unchanged." in walked
+    assert "- `0001-a.patch`: carried unchanged [strategy: exact]." in walked
     assert "No longer in the series (dropped at an earlier release): `0002-b.patch`" in newest
     assert "### Across the walk from 0.5.9" in newest
     # The report holds the same, release by release.

@@ -8,6 +8,7 @@ old lines match verbatim, as `patch` does, and reports the shift.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,18 @@ class Overlay:
 
     def write(self, path: str, text: str | None) -> None:
         self.changes[path] = text
+
+
+def write_changes(root: Path, changes: Mapping[str, str | None]) -> None:
+    """Write an overlay's changes under `root` (None deletes the file): the one writer
+    of applied patches, for `apply`, the wheel and the rebase's work tree."""
+    for path, text in changes.items():
+        target = root / path
+        if text is None:
+            target.unlink(missing_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(text.encode("utf-8"))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sm120fork.errors import FatalError
-from sm120fork.patches.applier import Overlay, PatchResult, apply_patch
+from sm120fork.patches.applier import Overlay, PatchResult, apply_patch, write_changes
 from sm120fork.patches.normalform import DiffRenderer, render_patch
 from sm120fork.patches.patchfile import PatchFile, load_patch
 from sm120fork.patches.series import Series, duplicate_entries, read_series
@@ -51,13 +51,7 @@ def apply_stack(
 def write_applied(tree: Path, overlay: Overlay, out: Path) -> None:
     """Copy `tree` to `out` (which must not exist) with the overlay's changes written."""
     shutil.copytree(tree, out, symlinks=True)
-    for path, text in overlay.changes.items():
-        target = out / path
-        if text is None:
-            target.unlink(missing_ok=True)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(text.encode("utf-8"))
+    write_changes(out, overlay.changes)
 
 
 @dataclass(frozen=True)

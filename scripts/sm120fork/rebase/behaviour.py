@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
@@ -31,8 +32,11 @@ from sm120fork.gates import compare_trees, load_policy
 from sm120fork.patches.patchfile import PatchFile
 from sm120fork.rebase import gaterows
 from sm120fork.rebase.gatefindings import describe_gate
+from sm120fork.rebase.merge import conflict
 from sm120fork.rebase.state import Target
+from sm120fork.rebase.strategy import CarriedPatch, CarryContext, Outcome
 from sm120fork.rebase.workrepo import WorkRepo
+from sm120fork.rebase.workspace import say
 
 NAME = "behaviour"
 _SHOWN = 3  # rows and gates quoted in a reason
@@ -54,6 +58,20 @@ class Carried(Protocol):
     def name(self) -> str: ...
     @property
     def parsed(self) -> PatchFile: ...
+
+
+def try_behaviour(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
+    """`upstreamed` when the pristine release gives the patch's SM12x cells; otherwise
+    the final conflict (merge.conflict), its reason saying what the rows showed or why
+    they could not run; None (nothing touched) when no row names the patch."""
+    judged = judge(ctx, patch, say)
+    if judged is None:
+        return None
+    upstreamed, why = judged
+    if upstreamed:
+        return Outcome("upstreamed", why, strategy=NAME)
+    stopped = conflict(ctx, patch)
+    return replace(stopped, reason=f"{stopped.reason}; its gate rows did not settle it: {why}")
 
 
 def judge(ctx: Context, patch: Carried, progress: Callable[[str], None]) -> tuple[bool, str] | None:

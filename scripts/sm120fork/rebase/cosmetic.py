@@ -1,6 +1,4 @@
-"""Conflicts a person would resolve without thinking, resolved by the tool instead.
-
-Two kinds, and only these; anything else stays a conflict for a person.
+"""Two rules of resolutions.py: a re-worded comment, an import both sides changed.
 
 Upstream only re-worded comments.
 
@@ -40,45 +38,8 @@ import re
 import textwrap
 import tokenize
 
-from sm120fork.patches.lines import split_lines
-from sm120fork.rebase.conflicts import segments
 
-REWORDED = "upstream re-worded a comment beside the patch"
-IMPORTS = "both sides changed the same import statement"
-
-
-def resolve_text(text: str) -> tuple[str, set[str]] | None:
-    """`text` (a file with diff3 conflict blocks) with every block resolved, and which
-    kinds of block it met (REWORDED, IMPORTS); None when some block is neither."""
-    out: list[str] = []
-    kinds: set[str] = set()
-    for segment in segments(split_lines(text)):
-        if isinstance(segment, str):
-            out.append(segment)
-            continue
-        if not segment.closed:
-            return None  # an unterminated block: not ours to guess
-        resolved = resolve_block(segment.ours, segment.base, segment.theirs)
-        if resolved is None:
-            return None
-        out.extend(resolved[0])
-        kinds.add(resolved[1])
-    return "".join(out), kinds
-
-
-def resolve_block(
-    ours: list[str], base: list[str], theirs: list[str]
-) -> tuple[list[str], str] | None:
-    """The merged lines of one conflict block and its kind, or None (see the module
-    docstring)."""
-    merged = _reworded_comments(ours, base, theirs)
-    if merged is not None:
-        return merged, REWORDED
-    merged = _merged_import(ours, base, theirs) or _merged_import_names(ours, base, theirs)
-    return (merged, IMPORTS) if merged is not None else None
-
-
-def _reworded_comments(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
+def reworded_comments(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
     if len(ours) != len(base) or not base:
         return None
     reworded = {n for n, (o, b) in enumerate(zip(ours, base, strict=True)) if o != b}
@@ -123,7 +84,7 @@ _LAYOUT = {
 _NAME_LINE = re.compile(r"^(\s+)([A-Za-z_]\w*(?: as [A-Za-z_]\w*)?),[ \t]*\n?$")
 
 
-def _merged_import_names(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
+def merged_import_names(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
     """Blocks of `    name,` lines inside one parenthesized import list."""
     sides = []
     for side in (ours, base, theirs):
@@ -143,7 +104,7 @@ def _merged_import_names(ours: list[str], base: list[str], theirs: list[str]) ->
     return [f"{indent}{name},\n" for name in names]
 
 
-def _merged_import(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
+def merged_import(ours: list[str], base: list[str], theirs: list[str]) -> list[str] | None:
     sides = [_import_from("".join(side)) for side in (ours, base, theirs)]
     if any(side is None for side in sides):
         return None

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from sm120fork.rebase.state import PatchState, Status, StepResult
 
+BY_HAND = "by hand"  # the strategy of a step a person resolved or dropped
 HAND = "conflict resolved by hand"  # the reason of a hand resolution that changes something
 TO_NOTHING = "the conflict was resolved by hand to no change"  # one that changes nothing
 _LEAVES: tuple[Status, ...] = ("upstreamed", "dropped")
@@ -99,7 +100,7 @@ def at_release(step: StepResult) -> str:
         fate = f"dropped as upstreamed: {step.reason}"
     else:
         fate = _CARRIED.get(step.status, step.status)
-    return fate.rstrip(".") + "."
+    return fate.rstrip(".") + ("" if step.by_hand else _by(step)) + "."
 
 
 def overall(patch: PatchState, step_mode: bool) -> str:
@@ -121,12 +122,20 @@ def overall(patch: PatchState, step_mode: bool) -> str:
         fate = _CARRIED.get(patch.status, patch.status)
     if found and not leaves_series(patch.status):
         fate += f" ({found[1]})"
-    return fate.rstrip(".") + "."
+    by = _by(last) if last is not None and not last.by_hand else ""
+    return fate.rstrip(".") + by + "."
 
 
-def strategy(status: Status) -> str:
-    """How the tool carried a patch, a few words for the progress line."""
-    return _STRATEGY.get(status, status)
+def strategy(status: Status, name: str = "") -> str:
+    """How the tool carried a patch, a few words for the progress line (`name`: the
+    strategy that did)."""
+    said = _STRATEGY.get(status, status)
+    return f"{said}; strategy {name}" if name and name != "none" else said
+
+
+def _by(step: StepResult) -> str:
+    """` [strategy: x]`, the strategy a step was carried or dropped by ("" if none)."""
+    return f" [strategy: {step.strategy}]" if step.strategy and step.strategy != "none" else ""
 
 
 def not_reached(blocker: str | None) -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sm120fork.rebase import fate
-from sm120fork.rebase.carry import Outcome
 from sm120fork.rebase.state import RebaseState, Status, StepResult
+from sm120fork.rebase.strategy import Outcome
 
 _RANK: dict[Status, int] = {
     "pending": -1,
@@ -48,7 +48,9 @@ def record(state: RebaseState, index: int, outcome: Outcome, note: str = "") -> 
     if earlier and earlier[-1].status == "conflict" and earlier[-1].version == version:
         earlier = earlier[:-1]  # resolved by hand: this result replaces the conflict
     by_hand = patch.status == "conflict"
-    steps = (*earlier, StepResult(version, outcome.status, by_hand, outcome.reason, note))
+    strategy = fate.BY_HAND if by_hand else outcome.strategy
+    step = StepResult(version, outcome.status, by_hand, outcome.reason, note, strategy)
+    steps = (*earlier, step)
     carried = replace(
         patch,
         status=max((s.status for s in steps), key=_RANK.__getitem__),

@@ -12,13 +12,20 @@ from dataclasses import replace
 from sm120fork.errors import EXIT_FINDINGS, FatalError
 from sm120fork.intent.model import load_intents
 from sm120fork.patches.normalform import DiffRenderer
-from sm120fork.patches.patchfile import parse_patch
 from sm120fork.progress import Counter, Progress
 from sm120fork.rebase import fate, ledger, targets
-from sm120fork.rebase.carry import Outcome, apply_to_worktree, carry, checked, finish
+from sm120fork.rebase.carry import carry
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
 from sm120fork.rebase.state import RebaseState, crash_point
+from sm120fork.rebase.strategy import (
+    CarryContext,
+    Outcome,
+    apply_to_worktree,
+    carried,
+    finish,
+    parsed,
+)
 from sm120fork.rebase.workrepo import WorkRepo
 from sm120fork.rebase.workspace import PREFIX, Workspace, say
 from sm120fork.upstream import lock
@@ -52,9 +59,8 @@ def prepare(workspace: Workspace, state: RebaseState) -> RebaseState:
     repo.checkout(base)
     patches = []
     for patch in state.patches:
-        parsed = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
         commit = None
-        if apply_to_worktree(repo, parsed, allow_offset=False) is not None:
+        if apply_to_worktree(repo, parsed(patch), allow_offset=False) is not None:
             commit = repo.commit_worktree(patch.name)
         if commit is None:
             raise FatalError(f"{patch.name} no longer applies to vendor/sglang; run `check`")
@@ -108,19 +114,19 @@ def _carry_release(
             shown.update(patches, completed=number + 1)
             continue  # dropped at an earlier release, or a dry run went past its conflict
         shown.update(patches, name=f"patch {patch.name}")
-        outcome = carry(
-            repo,
-            patch,
-            state.tip,
-            state.target,
-            renderer,
-            intents.get(patch.name),
-            workspace.paths.root,
+        ctx = CarryContext(
+            repo=repo,
+            tip=state.tip,
+            target=state.target,
+            renderer=renderer,
+            intent=intents.get(patch.name),
+            fork_root=workspace.paths.root,
+            previous=patch.commit,
         )
-        outcome = checked(repo, state.tip, outcome, state.target.version, patch.commit)
+        outcome = carry(ctx, carried(patch))
         crash_point("mid-carry")
         state = ledger.record(state, number, outcome)
-        how = fate.strategy(outcome.status)
+        how = fate.strategy(outcome.status, outcome.strategy)
         shown.line(
             f"{where}carrying patch {number + 1}/{total} {patch.name}: {outcome.status} ({how})"
         )
@@ -152,7 +158,7 @@ def resolved(
     version = state.target.version
     if drop:
         repo.checkout(state.tip)  # the person's edits, if any, go with the patch
-        outcome = Outcome("dropped", drop)
+        outcome = Outcome("dropped", drop, strategy=fate.BY_HAND)
     else:
         outcome = _finish_by_hand(workspace, repo, state)
     crash_point("resolved")
@@ -174,9 +180,11 @@ def _finish_by_hand(workspace: Workspace, repo: WorkRepo, state: RebaseState) ->
             "edit them out, then run `rebase --continue`",
             EXIT_FINDINGS,
         )
-    parsed = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
     with DiffRenderer() as renderer:
-        outcome = finish(repo, parsed, state.tip, renderer, "merged", fate.HAND)
+        ctx = CarryContext(
+            repo, state.tip, state.target, renderer, None, workspace.paths.root, patch.commit
+        )
+        outcome = finish(ctx, parsed(patch), "merged", fate.HAND, fate.BY_HAND)
     broken = broken_lines(repo, state.tip, outcome.commit, patch.commit) if outcome.commit else []
     if broken:
         repo.git("reset", "-q", "--mixed", state.tip)  # the edits stay for another try

@@ -42,6 +42,7 @@ class PatchEntry:
     detail: str
     conflicts: tuple[Conflict, ...] = ()  # a conflicted or resolved patch's
     walked: Walked | None = None  # with --step
+    strategy: str = ""  # what carried or dropped it at the last release reached
 
 
 @dataclass(frozen=True)
@@ -149,13 +150,15 @@ def _patch(state: RebaseState, index: int) -> PatchEntry:
         if status == "conflict" and found is None:
             found = (state.target.version, "")
         walked = Walked(found[0] if found else None, patch.steps)
-    return PatchEntry(patch.name, status, detail, conflicts, walked)
+    last = patch.steps[-1] if patch.steps and status != "pending" else None
+    return PatchEntry(patch.name, status, detail, conflicts, walked, last.strategy if last else "")
 
 
 def _step_json(step: StepResult) -> JsonObject:
     return {
         "status": step.status,
         "by_hand": step.by_hand,
+        "strategy": step.strategy,
         "detail": fate.step_detail(step),
         "note": step.note,
     }
@@ -208,6 +211,7 @@ def _patch_json(patch: PatchEntry) -> JsonObject:
     entry: JsonObject = {
         "name": patch.name,
         "status": patch.status,
+        "strategy": patch.strategy,
         "detail": patch.detail,
         "conflicts": [_conflict_json(c) for c in patch.conflicts],
     }

@@ -69,9 +69,12 @@ def _markdown(report: Report, listed: int | None) -> str:
         report.summary_line(),
         "",
         *(_DRY_RUN_NOTE if report.result == "dry-run" and stops else []),
-        "| patch | status | what happened |",
-        "|---|---|---|",
-        *(f"| `{p.name}` | {p.status} | {_cell(p.detail)} |" for p in report.patches),
+        "| patch | status | strategy | what happened |",
+        "|---|---|---|---|",
+        *(
+            f"| `{p.name}` | {p.status} | {p.strategy or '-'} | {_cell(p.detail)} |"
+            for p in report.patches
+        ),
     ]
     lines += _walk_markdown(report.walk)
     lines += _conflicts_markdown(report)

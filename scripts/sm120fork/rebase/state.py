@@ -40,7 +40,7 @@ from sm120fork.fsutil import atomic_write
 from sm120fork.gates.diff import GateDiff
 
 CRASH_ENV = "SM120FORK_REBASE_CRASH_AT"
-FORMAT = 2  # 2: a step keeps its reason; fate.py words it
+FORMAT = 3  # 2: a step keeps its reason; fate.py words it. 3: and its strategy
 
 Status = Literal[
     "clean", "offset", "merged", "resolved", "upstreamed", "dropped", "conflict", "pending"
@@ -71,6 +71,7 @@ class StepResult:
     by_hand: bool = False  # a conflict a person resolved
     reason: str = ""  # why, in the tool's words, without the fate's (fate.step_detail)
     note: str = ""  # the person's word on a hand resolution: why the tool could not
+    strategy: str = ""  # what carried or dropped it (carry.STRATEGIES' names, "by hand")
 
 
 @dataclass(frozen=True)
