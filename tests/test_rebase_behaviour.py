@@ -27,13 +27,14 @@ Last-Update: 2026-12-01
 diff --git a/python/sglang/x.py b/python/sglang/x.py
 --- a/python/sglang/x.py
 +++ b/python/sglang/x.py
-@@ -1,2 +1,4 @@
+@@ -1,2 +1,5 @@
  def f():
 +    if sm120:
-+        raise ValueError("built for SM100/SM103 only, not SM12x")
++        raise ValueError("its kernels are built for SM100/SM103 only, not "
++                         "SM12x. Use triton.")
      return 1
 """
-ADDED = 'if sm120:\n        raise ValueError("built for SM100/SM103 only, not SM12x")'
+ADDED = behaviour.added_text(parse_patch(TEXT.encode(), PATCH, 1))
 
 
 def cell(arch: str, expected: str, observed: str, **flags: object) -> gaterows.Cell:

@@ -21,6 +21,7 @@ silent pass. A patch without rows is not this strategy's case (None).
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
@@ -39,6 +40,7 @@ from sm120fork.rebase.workrepo import WorkRepo
 from sm120fork.rebase.workspace import say
 
 NAME = "behaviour"
+_LITERAL = re.compile(r"""(["'])((?:\\.|(?!\1).)*)\1""")
 _SHOWN = 3  # rows and gates quoted in a reason
 
 
@@ -95,7 +97,7 @@ def judge(ctx: Context, patch: Carried, progress: Callable[[str], None]) -> tupl
             f"its {listed} could not be run on pristine sglang {version}, so whether upstream "
             f"now makes its decision is untold: {error.message}"
         )
-    added = _added_text(patch.parsed)
+    added = added_text(patch.parsed)
     upstreamed, why = verdict(version, listed, cells, added)
     return upstreamed, (_evidence(ctx, patch, why) if upstreamed else why)
 
@@ -141,14 +143,18 @@ def _own_refusal(cell: gaterows.Cell, added: str) -> bool:
     return words in added or (len(tail) >= 20 and tail in added)
 
 
-def _added_text(patch: PatchFile) -> str:
-    return "\n".join(
+def added_text(patch: PatchFile) -> str:
+    """The lines the patch adds, then the string literals among them joined as Python
+    joins adjacent literals (a message split over lines reads whole)."""
+    lines = [
         line.text
         for diff in patch.files
         for hunk in diff.hunks
         for line in hunk.lines
         if line.tag == "+"
-    )
+    ]
+    literals = "".join(m.group(2) for line in lines for m in _LITERAL.finditer(line))
+    return "\n".join(lines) + "\n" + literals
 
 
 def _evidence(ctx: Context, patch: Carried, why: str) -> str:
