@@ -1,33 +1,37 @@
-"""The Glm4Moe intent the intent and rebase tests share, as a record and as TOML."""
+"""The Glm4Moe intent the intent and rebase tests share, as a record and as TOML:
+widen the SM100 gate of the Glm4Moe override to SM12x, switch its MoE runner choice
+there, and import the SM12x helper."""
 
 from __future__ import annotations
 
 import textwrap
 
-from sm120fork.intent.model import Intent, Switch
+import tomllib
+from sm120fork.intent.model import Intent, parse_intent
 
 SA = "python/sglang/srt/server_args.py"
-INTENTS_TOML = f"""\
+INTENTS_TOML = """\
 [[intent]]
 patch = "0001-glm.patch"
 says = "Glm4Moe on SM12x: quant auto-detect and flashinfer_cutlass"
-anchor = "Glm4MoeForCausalLM"
-gate_admits = "sm100"
-include = "sm120"
-files = ["{SA}"]
-[[intent.switch]]
-old = "flashinfer_trtllm"
-new = "flashinfer_cutlass"
+
+[[intent.edit]]
+model = "Glm4MoeForCausalLM"
+condition = "is_sm100_supported()"
+by = "is_sm100_supported() or is_sm120_supported()"
+
+[[intent.edit]]
+model = "Glm4MoeForCausalLM"
+within = "is_sm100_supported()"
+replace = '"flashinfer_trtllm"'
+by = '("flashinfer_cutlass" if is_sm120_supported() else "flashinfer_trtllm")'
+
+[[intent.edit]]
+model = "Glm4MoeForCausalLM"
+import_beside = "is_sm100_supported"
+name = "is_sm120_supported"
 """
-INTENT = Intent(
-    patch="0001-glm.patch",
-    says="Glm4Moe on SM12x: quant auto-detect and flashinfer_cutlass",
-    anchor="Glm4MoeForCausalLM",
-    gate_admits="sm100",
-    include="sm120",
-    switches=(Switch("flashinfer_trtllm", "flashinfer_cutlass"),),
-    files=(SA,),
-)
+INTENT: Intent = parse_intent(tomllib.loads(INTENTS_TOML)["intent"][0], "intentcase")
 
 IMPORTS = textwrap.dedent("""\
     from sglang.srt.utils import (

@@ -1,4 +1,6 @@
-"""Re-applying a gate intent with libcst: across reformatting, moves and upstream fixes."""
+"""Re-applying a gate intent found with libcst: across reformatting, moves and upstream
+fixes (each operation on its own: test_intent_ops.py; the real series:
+test_intent_real.py)."""
 
 from __future__ import annotations
 
@@ -35,28 +37,34 @@ def test_survives_a_reformat_of_the_gate() -> None:
     reformatted = edit(
         ORIGINAL,
         '        elif model_arch in ["Glm4MoeForCausalLM"]:\n            if is_sm100_supported():',
-        '        elif model_arch in [\n            "Glm4MoeForCausalLM",\n        ]:\n'
+        "        elif model_arch in [\n            'Glm4MoeForCausalLM',\n        ]:\n"
         "            if (\n                is_sm100_supported()\n            ):",
     )
-    status, _, changes = run({"python/sglang/srt/server_args.py": reformatted})
-    assert status == "resolved"
-    assert "or is_sm120_supported()" in changes["python/sglang/srt/server_args.py"]
+    reformatted = reformatted.replace(
+        'self.moe_runner_backend = "flashinfer_trtllm"\n',
+        "self.moe_runner_backend = (\n                'flashinfer_trtllm'\n            )\n",
+    )
+    status, detail, changes = run({"python/sglang/srt/server_args.py": reformatted})
+    assert status == "resolved", detail
+    new = changes["python/sglang/srt/server_args.py"]
+    assert "if (\n                is_sm100_supported() or is_sm120_supported()\n" in new
+    assert '(\n                ("flashinfer_cutlass" if is_sm120_supported() else' in new
 
 
 MOVED = textwrap.dedent("""\
-    from sglang.srt.runtime_context import get_platform
+    from sglang.srt.utils import is_sm100_supported
 
 
     @_register_for("Glm4MoeForCausalLM")
     def _glm4_moe_overrides(server_args, hf_config):
         overrides = {}
-        if get_platform().is_sm100:
+        if is_sm100_supported():
             overrides["moe_runner_backend"] = "flashinfer_trtllm"
         return overrides
 """)
 
 
-def test_follows_the_gate_into_another_file_and_helper_form() -> None:
+def test_follows_the_gate_into_another_file() -> None:
     files = {
         "python/sglang/srt/server_args.py": "class ServerArgs:\n    pass\n",
         "python/sglang/srt/arg_groups/model_overrides/glm4_moe.py": MOVED,
@@ -64,42 +72,41 @@ def test_follows_the_gate_into_another_file_and_helper_form() -> None:
     status, detail, changes = run(files)
     assert status == "resolved", detail
     new = changes["python/sglang/srt/arg_groups/model_overrides/glm4_moe.py"]
-    assert "if get_platform().is_sm100 or get_platform().is_sm120:" in new
-    assert '("flashinfer_cutlass" if get_platform().is_sm120 else "flashinfer_trtllm")' in new
-    assert "import" in new and new.count("import") == 1  # nothing to import for attributes
+    assert "if is_sm100_supported() or is_sm120_supported():" in new
+    assert '("flashinfer_cutlass" if is_sm120_supported() else "flashinfer_trtllm")' in new
+    assert "from sglang.srt.utils import is_sm100_supported, is_sm120_supported\n" in new
 
 
 def test_upstream_condition_that_admits_sm120_is_upstreamed() -> None:
-    fixed = edit(MOVED, "if get_platform().is_sm100:", "if get_platform().is_blackwell:")
+    fixed = edit(MOVED, "if is_sm100_supported():", "if is_blackwell_supported():")
+    fixed = edit(fixed, "import is_sm100_supported", "import is_blackwell_supported")
+    fixed = fixed.replace(
+        "import is_blackwell_supported",
+        "import (\n    is_blackwell_supported,\n    is_sm120_supported,\n)",
+    )
     status, detail, changes = run({"python/sglang/srt/glm4_moe.py": fixed})
-    assert status == "upstreamed"
-    assert "is_blackwell" in detail
+    assert status == "not-found", detail  # the switched choice has no gate left to sit in
+    fixed = edit(
+        fixed,
+        '"flashinfer_trtllm"',
+        '("flashinfer_cutlass" if is_sm120_supported() else "flashinfer_trtllm")',
+    )
+    status, detail, changes = run({"python/sglang/srt/glm4_moe.py": fixed})
+    assert status == "upstreamed", detail
+    assert "is_blackwell_supported()" in detail and "admits" in detail
     assert changes == {}
 
 
 def test_gate_that_no_longer_exists_is_not_found() -> None:
-    gone = edit(MOVED, "if get_platform().is_sm100:", "if server_args.fast:")
+    gone = edit(MOVED, "if is_sm100_supported():", "if server_args.fast:")
     status, detail, _ = run({"python/sglang/srt/glm4_moe.py": gone})
     assert status == "not-found"
     assert "Glm4MoeForCausalLM" in detail
 
 
-def test_cached_flag_without_a_sibling_flag_uses_the_helper() -> None:
-    flagged = edit(
-        ORIGINAL,
-        "class ServerArgs:",
-        "_is_sm100_supported = is_sm100_supported()\n\n\nclass ServerArgs:",
-    )
-    flagged = edit(
-        flagged,
-        '"Glm4MoeForCausalLM"]:\n            if is_sm100_supported():',
-        '"Glm4MoeForCausalLM"]:\n            if _is_sm100_supported and self.x:',
-    )
-    status, _, changes = run({"python/sglang/srt/server_args.py": flagged})
-    assert status == "resolved"
-    new = changes["python/sglang/srt/server_args.py"]
-    assert "if (_is_sm100_supported and self.x) or is_sm120_supported():" in new
-    assert "is_sm120_supported,\n" in new
+def test_a_model_the_tree_lacks_is_not_found() -> None:
+    status, detail, _ = run({"python/sglang/srt/server_args.py": "x = 1\n"})
+    assert (status, detail) == ("not-found", "the override for Glm4MoeForCausalLM: not in the tree")
 
 
 def _fork_with_recipe_patch(root: Path) -> None:
@@ -115,7 +122,7 @@ def test_check_proves_the_recipe_reproduces_its_patch(
     _fork_with_recipe_patch(tmp_path)
     assert main(["-C", str(tmp_path), "check"]) == 0
     recipe = tmp_path / "patches" / "intents.toml"
-    recipe.write_text(edit(INTENTS_TOML, 'new = "flashinfer_cutlass"', 'new = "flashinfer_cutlas"'))
+    recipe.write_text(edit(INTENTS_TOML, '("flashinfer_cutlass" if', '("flashinfer_cutlas" if'))
     assert main(["-C", str(tmp_path), "check"]) == 1
     assert "does not reproduce the patch" in capsys.readouterr().out
 

@@ -42,7 +42,7 @@ def test_gate_conflict_resolved_by_intent(
     assert "re-applied intent in python/sglang/srt/server_args.py" in patch["detail"]
     assert patch["conflicts"] and patch["conflicts"][0]["gate"] is True
     landed = fork.read("patches/0001-glm.patch")
-    assert "+            ) or is_sm120_supported():\n" in landed
+    assert "+                is_sm100_supported() or is_sm120_supported()\n" in landed
     assert '("flashinfer_cutlass" if is_sm120_supported() else "flashinfer_trtllm")' in landed
     assert "resolved by its intent" in fork.read("build/rebase/report.md")
     # The recipe still reproduces the patch on the new base: the series checks clean.
@@ -53,12 +53,22 @@ def test_gate_that_upstream_opened_to_sm120_is_upstreamed(
     request: pytest.FixtureRequest,
 ) -> None:
     opened = edit(ORIGINAL, "if is_sm100_supported():", "if is_blackwell_supported():")
+    opened = edit(
+        opened,
+        "    is_sm100_supported,\n",
+        "    is_blackwell_supported,\n    is_sm120_supported,\n",
+    )
+    opened = edit(
+        opened,
+        '"flashinfer_trtllm"',
+        '"flashinfer_cutlass" if is_sm120_supported() else "flashinfer_trtllm"',
+    )
     fork = fork_with_intent(request, opened)
     result = fork.rebase("v0.5.10")
     assert result.returncode == 0, result.stderr
     [patch] = fork.report()["patches"]
     assert patch["status"] == "upstreamed"
-    assert "is_blackwell_supported()" in patch["detail"]
+    assert "is_blackwell_supported()" in patch["detail"], patch["detail"]
     assert fork.read("patches/series") == ""
     assert not (fork.root / "patches/0001-glm.patch").exists()
     assert "[[intent]]" not in fork.read("patches/intents.toml")  # its recipe went too

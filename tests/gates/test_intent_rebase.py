@@ -9,7 +9,7 @@ with that override module renamed (as upstream moves overrides between releases)
 The fork's series no longer patches this gate (the generic sm120-nvfp4-moe-checkpoint.patch
 answers SM12x for every family), so the fork copy here appends a test-only patch derived
 from this test's RECIPE, the 0.5.9 Glm4Moe recipe retargeted to glm4_moe.py: widen the
-SM100 gate to SM12x and switch flashinfer_trtllm to flashinfer_cutlass. On the NVFP4
+SM100 gate to SM12x and switch flashinfer_trtllm to flashinfer_cutlass there. On the NVFP4
 scenarios it decides what the series decides (quantization modelopt_fp4, MoE
 flashinfer_cutlass), so the table's Glm4Moe rows judge the result.
 """
@@ -44,18 +44,29 @@ RECIPE = f"""\
 [[intent]]
 patch = "{PATCH}"
 says = "In the Glm4Moe override, SM12x takes the quant auto-detect and flashinfer_cutlass"
-anchor = "Glm4MoeForCausalLM"
-gate_admits = "sm100"
-include = "sm120"
-files = ["{GLM4}"]
 
-[[intent.switch]]
-old = "flashinfer_trtllm"
-new = "flashinfer_cutlass"
+[[intent.edit]]
+model = "Glm4MoeForCausalLM"
+condition = "get_platform().is_sm100"
+by = "get_platform().is_sm100 or get_platform().is_sm120"
 
-[[intent.switch]]
-old = "Use flashinfer_trtllm as MoE runner backend on sm100 for Glm4MoeForCausalLM"
-new = "Use flashinfer_cutlass as MoE runner backend on sm120 for Glm4MoeForCausalLM"
+[[intent.edit]]
+model = "Glm4MoeForCausalLM"
+within = "get_platform().is_sm100"
+replace = '"flashinfer_trtllm"'
+by = '("flashinfer_cutlass" if get_platform().is_sm120 else "flashinfer_trtllm")'
+
+[[intent.edit]]
+model = "Glm4MoeForCausalLM"
+within = "get_platform().is_sm100"
+replace = '"Use flashinfer_trtllm as MoE runner backend on sm100 for Glm4MoeForCausalLM"'
+by = '''
+(
+    "Use flashinfer_cutlass as MoE runner backend on sm120 for Glm4MoeForCausalLM"
+    if get_platform().is_sm120
+    else "Use flashinfer_trtllm as MoE runner backend on sm100 for Glm4MoeForCausalLM"
+)
+'''
 """
 HEADER = """\
 From: sglang-sm120 maintainers <sglang-sm120@users.noreply.github.com>

@@ -1,8 +1,9 @@
-"""Gate intents: what a patch wants at a gate, re-applicable to moved or reformatted code.
+"""Gate intents: what a patch does at a gate, re-applicable to moved or reformatted code.
 
-A patch may declare, in `patches/intents.toml`, the recipe that produces it:
-which gate (found by an anchor and the architectures it admits, not by line
-or text), which architectures to let in, and which choices to switch for
-them. `check` proves the recipe reproduces the patch on the pinned base;
+A patch declares, in `patches/intents.toml`, the recipe that produces it: edits
+whose scope is found by meaning (a function by qualified name, the override a
+decorator registers for an architecture, the module defining a name), each one
+operation (insert, refuse, add an elif branch, change a condition, replace,
+import). `check` proves the recipe reproduces the patch on the pinned base;
 `rebase` uses it when the patch text no longer applies.
 """

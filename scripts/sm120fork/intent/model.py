@@ -1,14 +1,31 @@
 """The intent records and `patches/intents.toml`.
 
+An intent is the recipe behind one patch: a list of edits, each naming where
+(a scope found by meaning, in whatever module it now lives) and what (one
+operation and its code). For example:
+
 [[intent]]
-patch = "0003-sm120-glm4-moe-nvfp4-cutlass.patch"
-says = "In the Glm4Moe override, SM12x takes the quant auto-detect and flashinfer_cutlass"
-anchor = "Glm4MoeForCausalLM"   # a string in the header of a block that encloses the gate
-gate_admits = "sm100"           # the gate is the one in that block that admits this arch...
-include = "sm120"               # ...and the patch lets this one in too
-[[intent.switch]]               # inside the gate, on the included arch, this choice...
-old = "flashinfer_trtllm"
-new = "flashinfer_cutlass"      # ...becomes this one
+patch = "sm120-olmo2-attention-triton.patch"
+says = "The Olmo2 override defaults SM12x to triton"
+
+[[intent.edit]]
+model = "Olmo2ForCausalLM"    # the override registered for this architecture
+add_elif_after = "get_platform().is_cuda and get_platform().is_sm100"
+code = '''
+elif get_platform().is_cuda and get_platform().is_sm120:
+    overrides["attention_backend"] = "triton"
+'''
+
+Scopes (one per edit): `function` (a def by qualified name, `Class.method`),
+`model` (the function a decorator registers for an architecture, or the `if`
+branch whose test names it), `module_of` (the module that defines a name).
+Operations (one per edit): `insert_at` ("top", after the docstring),
+`insert_after` / `insert_before` (a statement), `refuse_at` / `refuse_after` /
+`refuse_before` (the same, for code that raises), `add_elif_after` (a branch
+condition), `condition` (the `if` whose test this is gets test `by`),
+`replace` (an expression or statement becomes `by`), `import_beside` (a
+`from` import of `name` next to this one). Statements and conditions are
+matched by their syntax tree, so formatting and quotes do not matter.
 """
 
 from __future__ import annotations
@@ -20,31 +37,46 @@ import tomllib
 
 from sm120fork.errors import FatalError
 
-ARCH_FAMILIES = {"sm90": "sm90", "sm100": "sm100", "sm120": "sm120"}
+SCOPES = ("function", "model", "module_of")
+# Operation key -> the key holding its code.
+OPERATIONS = {
+    "insert_at": "code",
+    "insert_after": "code",
+    "insert_before": "code",
+    "refuse_at": "code",
+    "refuse_after": "code",
+    "refuse_before": "code",
+    "add_elif_after": "code",
+    "condition": "by",
+    "replace": "by",
+    "import_beside": "name",
+}
+OPTIONS = ("within", "holding", "comment", "count", "paragraph")
 
 
 @dataclass(frozen=True)
-class Switch:
-    old: str
-    new: str
+class Edit:
+    scope: str  # one of SCOPES
+    name: str  # what the scope is found by
+    op: str  # one of OPERATIONS
+    target: str  # the operation's anchor: a statement, condition, expression or name
+    code: str  # the new code (or the imported name)
+    within: str = ""  # narrow the scope to the body of `if <within>`
+    holding: str = ""  # the target `if` is the one whose body holds this statement
+    comment: str = ""  # `condition`: comment lines put above the `if`
+    count: int = 0  # `replace`: exactly this many occurrences (0: at least one)
+    paragraph: bool = False  # inserted code set off by blank lines, as the anchor's neighbours
 
-
-@dataclass(frozen=True)
-class Insert:
-    after: str
-    code: str
+    def where(self) -> str:
+        label = {"function": "def", "model": "the override for", "module_of": "the module of"}
+        return f"{label[self.scope]} {self.name}"
 
 
 @dataclass(frozen=True)
 class Intent:
     patch: str
     says: str
-    anchor: str
-    gate_admits: str
-    include: str
-    switches: tuple[Switch, ...]
-    files: tuple[str, ...]  # where the gate was when the intent was written (searched first)
-    inserts: tuple[Insert, ...] = ()
+    edits: tuple[Edit, ...]
 
 
 def load_intents(path: Path) -> dict[str, Intent]:
@@ -57,53 +89,65 @@ def load_intents(path: Path) -> dict[str, Intent]:
         raise FatalError(f"{path} is not valid TOML ({error}); fix the file") from error
     intents: dict[str, Intent] = {}
     for index, raw in enumerate(data.get("intent", []), start=1):
-        intent = _parse(raw, f"{path.name} intent #{index}")
+        intent = parse_intent(raw, f"{path.name} intent #{index}")
         if intent.patch in intents:
             raise FatalError(f"{path.name}: {intent.patch} has two intents; merge them")
         intents[intent.patch] = intent
     return intents
 
 
-def _parse(raw: dict[str, object], where: str) -> Intent:
+def parse_intent(raw: dict[str, object], where: str) -> Intent:
     def text(key: str) -> str:
         value = raw.get(key)
         if not isinstance(value, str) or not value.strip():
             raise FatalError(f"{where}: `{key}` must be a non-empty string")
         return value
 
-    for key in ("gate_admits", "include"):
-        if text(key) not in ARCH_FAMILIES:
-            raise FatalError(f"{where}: `{key}` must be one of {', '.join(ARCH_FAMILIES)}")
-    switches = []
-    raw_switches = raw.get("switch", [])
-    if not isinstance(raw_switches, list):
-        raise FatalError(f"{where}: `switch` must be an array of tables ([[intent.switch]])")
-    for item in raw_switches:
-        if not isinstance(item, dict) or not all(
-            isinstance(item.get(k), str) for k in ("old", "new")
-        ):
-            raise FatalError(f"{where}: every [[intent.switch]] needs string `old` and `new`")
-        switches.append(Switch(item["old"], item["new"]))
-    raw_inserts = raw.get("insert", [])
-    if not isinstance(raw_inserts, list):
-        raise FatalError(f"{where}: `insert` must be an array of tables ([[intent.insert]])")
-    inserts = []
-    for item in raw_inserts:
-        if not isinstance(item, dict) or not all(
-            isinstance(item.get(k), str) for k in ("after", "code")
-        ):
-            raise FatalError(f"{where}: every [[intent.insert]] needs string `after` and `code`")
-        inserts.append(Insert(item["after"], item["code"]))
-    files = raw.get("files", [])
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        raise FatalError(f"{where}: `files` must be a list of paths")
-    return Intent(
-        patch=text("patch"),
-        says=text("says"),
-        anchor=text("anchor"),
-        gate_admits=text("gate_admits"),
-        include=text("include"),
-        switches=tuple(switches),
-        files=tuple(files),
-        inserts=tuple(inserts),
+    edits = raw.get("edit", [])
+    if not isinstance(edits, list) or not edits:
+        raise FatalError(f"{where}: needs at least one [[intent.edit]]")
+    parsed = tuple(_edit(item, f"{where} edit #{n}") for n, item in enumerate(edits, start=1))
+    return Intent(patch=text("patch"), says=text("says"), edits=parsed)
+
+
+def _edit(raw: object, where: str) -> Edit:
+    if not isinstance(raw, dict):
+        raise FatalError(f"{where}: must be a table")
+    scopes = [key for key in SCOPES if key in raw]
+    ops = [key for key in OPERATIONS if key in raw]
+    if len(scopes) != 1 or len(ops) != 1:
+        raise FatalError(
+            f"{where}: needs exactly one scope ({', '.join(SCOPES)}) "
+            f"and one operation ({', '.join(OPERATIONS)})"
+        )
+    scope, op = scopes[0], ops[0]
+    known = {scope, op, OPERATIONS[op], *OPTIONS}
+    if unknown := sorted(set(raw) - known):
+        raise FatalError(f"{where}: unknown key {', '.join(unknown)}")
+    values = {key: raw.get(key, "") for key in (scope, op, OPERATIONS[op], *OPTIONS[:3])}
+    for key, value in values.items():
+        if not isinstance(value, str):
+            raise FatalError(f"{where}: `{key}` must be a string")
+    for key in (scope, op, OPERATIONS[op]):
+        if not str(values[key]).strip():
+            raise FatalError(f"{where}: `{key}` must be a non-empty string")
+    count = raw.get("count", 0)
+    if not isinstance(count, int) or count < 0:
+        raise FatalError(f"{where}: `count` must be a positive integer")
+    paragraph = raw.get("paragraph", False)
+    if not isinstance(paragraph, bool):
+        raise FatalError(f"{where}: `paragraph` must be true or false")
+    if op.endswith("_at") and values[op] != "top":
+        raise FatalError(f'{where}: `{op}` must be "top"')
+    return Edit(
+        scope=scope,
+        name=str(values[scope]),
+        op=op,
+        target=str(values[op]),
+        code=str(values[OPERATIONS[op]]),
+        within=str(values["within"]),
+        holding=str(values["holding"]),
+        comment=str(values["comment"]),
+        count=count,
+        paragraph=paragraph,
     )

@@ -1,14 +1,21 @@
-"""Re-apply an intent to a tree whose code moved or was reformatted."""
+"""Re-apply an intent to a tree whose code moved or was reformatted.
+
+Every edit is located on the code as it is before the intent (not on another
+edit's output), so the edits of one file are spliced into it together.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import libcst as cst
 
-from sm120fork.intent.model import Intent
-from sm120fork.intent.rewrite import GateMatch, IntentError, find_gates, rewrite_gate
+from sm120fork.intent import edits
+from sm120fork.intent.locate import Source, scope_key, scopes, within
+from sm120fork.intent.model import Edit, Intent
+from sm120fork.intent.present import present
 
 
 @dataclass(frozen=True)
@@ -18,52 +25,102 @@ class Reapplied:
     changes: dict[str, str] = field(default_factory=dict)  # path -> new text
 
 
+class _Tree:
+    """The candidate files, read and parsed once, searched by each edit's scope."""
+
+    def __init__(self, read: Callable[[str], str | None], candidates: Iterable[str]) -> None:
+        self.read = read
+        self.paths = list(dict.fromkeys(candidates))
+        self.texts: dict[str, str | None] = {}
+        self.sources: dict[str, Source | None] = {}
+
+    def find(self, edit: Edit) -> list[tuple[Source, cst.CSTNode]]:
+        keys = scope_key(edit)
+        found: list[tuple[Source, cst.CSTNode]] = []
+        for path in self.paths:
+            if path not in self.texts:
+                self.texts[path] = self.read(path)
+            text = self.texts[path]
+            if text is None or not all(key in text for key in keys):
+                continue
+            if path not in self.sources:
+                self.sources[path] = Source.parse(path, text)
+            source = self.sources[path]
+            if source is not None:
+                found.extend((source, node) for node in scopes(source, edit))
+        return found
+
+
 def reapply(
     intent: Intent, read: Callable[[str], str | None], candidates: Iterable[str]
 ) -> Reapplied:
-    """Find the intent's gate in `intent.files` first, then in `candidates`, and rewrite it."""
-    searched: list[str] = []
-    for path in dict.fromkeys([*intent.files, *candidates]):
-        text = read(path)
-        if text is None or intent.anchor not in text:
-            continue
-        searched.append(path)
-        try:
-            module = cst.parse_module(text)
-        except cst.ParserSyntaxError:
-            continue
-        matches = find_gates(module, intent)
-        if not matches:
-            continue
-        return _resolve(intent, path, module, matches)
-    where = ", ".join(searched) or "no file naming the anchor"
-    return Reapplied(
-        "not-found",
-        f"no gate admitting {intent.gate_admits} under {intent.anchor!r} (searched {where})",
-    )
+    """Find each edit's scope among `candidates` (any module) and make the edits there."""
+    tree = _Tree(read, candidates)
+    planned: dict[str, tuple[Source, list[edits.Splice]]] = {}
+    already: list[str] = []
+    for order, edit in enumerate(intent.edits):
+        found = tree.find(edit)
+        if not found:
+            return Reapplied("not-found", f"{edit.where()}: not in the tree")
+        fits, misses = _fits(found, edit, order)
+        if len(fits) != 1:
+            if fits:
+                where = ", ".join(dict.fromkeys(fit[0].path for fit in fits))
+                detail = f"{len(fits)} places fit ({where}); the intent is ambiguous there"
+                return Reapplied("not-found", f"{edit.where()}: {detail}")
+            return Reapplied("not-found", f"{misses[0]} the code no longer fits the intent")
+        source, note, splices = fits[0]
+        if note:
+            already.append(f"{edit.where()} in {source.path}: {note}")
+        else:
+            planned.setdefault(source.path, (source, []))[1].extend(splices)
+    if not planned:
+        return Reapplied("upstreamed", f"upstream's code already does it: {'; '.join(already)}")
+    changes = {}
+    for path, (source, splices) in planned.items():
+        text = _spliced(source.text, splices)
+        if text is None:
+            return Reapplied("not-found", f"two edits of the intent overlap in {path}")
+        changes[path] = text
+    detail = f"re-applied intent in {', '.join(changes)}: {intent.says}"
+    if already:
+        detail += f" (already upstream: {'; '.join(already)})"
+    return Reapplied("resolved", detail, changes)
 
 
-def _resolve(intent: Intent, path: str, module: cst.Module, matches: list[GateMatch]) -> Reapplied:
-    pending = [m for m in matches if not m.already_included]
-    if not pending:
-        condition = module.code_for_node(matches[0].node.test).strip()
-        return Reapplied(
-            "upstreamed",
-            f"upstream's gate `{condition}` in {path} already admits {intent.include}",
-        )
-    if len(pending) > 1:
-        return Reapplied(
-            "not-found",
-            f"{len(pending)} gates in {path} fit {intent.anchor!r}; the intent is ambiguous there",
-        )
-    try:
-        rewritten = rewrite_gate(module, pending[0], intent)
-    except IntentError as error:
-        return Reapplied(
-            "not-found", f"the gate in {path} no longer fits the intent: {error.message}"
-        )
-    return Reapplied(
-        "resolved",
-        f"re-applied intent in {path}: {intent.says}",
-        {path: rewritten.code},
-    )
+Fit = tuple[Source, str, list[edits.Splice]]  # where, what is already there, the splices
+
+
+def _fits(
+    found: list[tuple[Source, cst.CSTNode]], edit: Edit, order: int
+) -> tuple[list[Fit], list[str]]:
+    """The scopes where `edit` is already made or can be made, and why the others cannot
+    (a name can be in several modules: the one holding the anchor is meant)."""
+    fits: list[Fit] = []
+    misses: list[str] = []
+    for source, outer in found:
+        inner = within(source, outer, edit)
+        if not inner:  # the gate `within` names is gone: perhaps upstream made the change
+            if note := present(source, outer, edit):
+                fits.append((source, note, []))
+            else:
+                misses.append(f"{source.path}: no `if {edit.within}` in {edit.where()};")
+        for scope in inner:
+            if note := present(source, scope, edit):
+                fits.append((source, note, []))
+                continue
+            try:
+                fits.append((source, "", edits.plan(source, scope, edit, order)))
+            except (edits.Missing, ValueError) as error:  # ValueError: a pattern not Python
+                misses.append(f"{source.path}: {error};")
+    return fits, misses
+
+
+def _spliced(text: str, splices: list[edits.Splice]) -> str | None:
+    ordered = sorted(splices)
+    for first, second in itertools.pairwise(ordered):
+        if second.start < first.end:
+            return None
+    for splice in reversed(ordered):
+        text = text[: splice.start] + splice.text + text[splice.end :]
+    return text

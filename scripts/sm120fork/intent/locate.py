@@ -1,0 +1,269 @@
+"""Find an edit's code by meaning: scopes by name or registration, statements and
+expressions by their syntax tree (so line wrapping, parentheses and quotes do not
+matter), in whichever module the code lives now.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+from sm120fork.intent.model import Edit
+
+Block = cst.Module | cst.IndentedBlock
+
+
+Span = tuple[int, int, int, int]  # start line, start column, end line, end column
+
+
+@dataclass
+class Source:
+    """One parsed module, with positions to edit its text in place.
+
+    Positions are worked out per top-level statement, when an edit first looks
+    inside it (`focus`): for the whole of a large module they cost more than the
+    parse, and an intent looks at a few functions."""
+
+    path: str
+    text: str
+    module: cst.Module
+    tops: dict[cst.CSTNode, int]  # top-level statement -> the line its code starts on
+    line_starts: list[int] = field(default_factory=list)
+    positions: dict[cst.CSTNode, Span] = field(default_factory=dict)
+    _forms: dict[int, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, path: str, text: str) -> Source | None:
+        try:
+            module, tree = cst.parse_module(text), ast.parse(text)
+        except (cst.ParserSyntaxError, SyntaxError, ValueError):
+            return None
+        tops: dict[cst.CSTNode, int] = {}
+        index = 0
+        for statement in module.body:
+            if index >= len(tree.body):
+                return None
+            node = tree.body[index]
+            first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+            tops[statement] = first - len(statement.leading_lines)
+            index += len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
+        starts = [0]
+        for line in text.split("\n"):
+            starts.append(starts[-1] + len(line) + 1)
+        return cls(path, text, module, tops, starts)
+
+    def focus(self, top: cst.CSTNode) -> None:
+        """Positions for everything inside the top-level statement `top`."""
+        if top in self.positions:
+            return
+        alone = cst.Module(
+            body=[top],  # type: ignore[list-item]
+            default_indent=self.module.default_indent,
+            default_newline=self.module.default_newline,
+        )
+        shift = self.tops[top] - 1
+        for node, where in (
+            MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider).items()
+        ):
+            start, end = where.start, where.end
+            self.positions[node] = (start.line + shift, start.column, end.line + shift, end.column)
+
+    def span(self, node: cst.CSTNode) -> Span:
+        """(start line, start column, end line, end column), lines from 1; `node` is a
+        top-level statement or inside one that was focused."""
+        if node not in self.positions and node in self.tops:
+            self.focus(node)
+        return self.positions[node]
+
+    def offset(self, line: int, column: int = 0) -> int:
+        return self.line_starts[min(line - 1, len(self.line_starts) - 1)] + column
+
+    def indent(self, line: int) -> str:
+        text = self.text[self.offset(line) : self.offset(line + 1)]
+        return text[: len(text) - len(text.lstrip(" \t"))]
+
+    def code(self, node: cst.CSTNode) -> str:
+        return self.module.code_for_node(node)
+
+    def form(self, node: cst.CSTNode) -> str | None:
+        """The syntax tree of a statement or expression (cached: scopes are searched
+        once per edit, and again to tell what upstream already has)."""
+        key = id(node)
+        if key not in self._forms:
+            code = self.code(node)
+            is_expression = isinstance(node, cst.BaseExpression)
+            self._forms[key] = expression_form(code) if is_expression else statement_form(code)
+        return self._forms[key]
+
+
+def expression_form(code: str) -> str | None:
+    """The syntax tree of an expression, or None if `code` is not one."""
+    try:
+        return ast.dump(ast.parse(f"(\n{code}\n)", mode="eval").body)
+    except SyntaxError:
+        return None
+
+
+def statement_form(code: str) -> str | None:
+    try:
+        return ast.dump(ast.parse(textwrap.dedent(code).strip("\n") + "\n"))
+    except SyntaxError:
+        return None
+
+
+HEADERS = ("if", "elif", "def", "class")
+
+
+def statement_matcher(pattern: str) -> Callable[[Source, cst.CSTNode], bool]:
+    """`if COND` / `elif COND` (the test), `def NAME` / `class NAME`, or a whole statement."""
+    keyword, _, rest = pattern.strip().rstrip(":").partition(" ")
+    if keyword in ("def", "class"):
+        definition = cst.FunctionDef if keyword == "def" else cst.ClassDef
+        name = rest.strip()
+        return lambda _, node: isinstance(node, definition) and node.name.value == name
+    if keyword in ("if", "elif") and statement_form(pattern) is None:
+        wanted = expression_form(rest)
+        return lambda source, node: isinstance(node, cst.If) and source.form(node.test) == wanted
+    wanted = statement_form(pattern)
+    if wanted is None:
+        raise ValueError(f"`{pattern}` is not Python")
+    kind: type[cst.CSTNode] = type(
+        cst.parse_module(textwrap.dedent(pattern).strip("\n") + "\n").body[0]
+    )
+    return lambda source, node: isinstance(node, kind) and source.form(node) == wanted
+
+
+def statements(root: cst.CSTNode) -> Iterator[tuple[cst.BaseStatement, Block, int]]:
+    """Every statement under `root` (elif branches included), with its block and index;
+    under a module, only the module's own statements (`module_of` edits module level)."""
+    found: list[tuple[cst.BaseStatement, Block, int]] = []
+    if isinstance(root, cst.Module):
+        return iter([(s, root, i) for i, s in enumerate(root.body)])
+
+    class Walker(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, cst.Module | cst.IndentedBlock):
+                for index, statement in enumerate(node.body):
+                    if isinstance(statement, cst.BaseStatement):
+                        found.append((statement, node, index))
+            if isinstance(node, cst.If) and isinstance(node.orelse, cst.If):
+                found.append((node.orelse, cst.IndentedBlock(body=()), -1))
+            return True
+
+    root.visit(Walker())
+    return iter(found)
+
+
+def expressions(root: cst.CSTNode, code: str, source: Source) -> list[cst.BaseExpression]:
+    """The outermost expressions under `root` with the syntax tree of `code`."""
+    found: list[cst.BaseExpression] = []
+    wanted = expression_form(code)
+    kind = type(cst.parse_expression(f"(\n{textwrap.dedent(code).strip()}\n)"))
+
+    class Walker(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            if isinstance(node, kind) and source.form(node) == wanted:
+                found.append(node)
+                return False
+            return True
+
+    root.visit(Walker())
+    return found
+
+
+def _strings(node: cst.CSTNode) -> set[str]:
+    found: set[str] = set()
+    for child in _walk(node):
+        if isinstance(child, cst.SimpleString) and isinstance(child.evaluated_value, str):
+            found.add(child.evaluated_value)
+    return found
+
+
+def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    yield node
+    for child in node.children:
+        yield from _walk(child)
+
+
+def scopes(source: Source, edit: Edit) -> list[cst.CSTNode]:
+    """The nodes in `source` that `edit`'s scope names."""
+    if edit.scope == "module_of":
+        defines = any(_defines(statement, edit.name) for statement in source.module.body)
+        return [source.module] if defines else []
+    return _named(source, edit)
+
+
+def within(source: Source, scope: cst.CSTNode, edit: Edit) -> list[cst.CSTNode]:
+    """`scope` narrowed to the bodies of its `if <edit.within>` (itself without `within`)."""
+    if not edit.within:
+        return [scope]
+    match = statement_matcher(f"if {edit.within}")
+    return [s.body for s, _, _ in statements(scope) if isinstance(s, cst.If) and match(source, s)]
+
+
+def _defines(statement: cst.CSTNode, name: str) -> bool:
+    if isinstance(statement, cst.FunctionDef | cst.ClassDef):
+        return statement.name.value == name
+    if isinstance(statement, cst.SimpleStatementLine):
+        for small in statement.body:
+            if isinstance(small, cst.Assign | cst.AnnAssign):
+                targets = small.targets if isinstance(small, cst.Assign) else [small]
+                for target in targets:
+                    if isinstance(target.target, cst.Name) and target.target.value == name:
+                        return True
+    return False
+
+
+def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
+    """Functions by qualified name, or what is registered for a model (a decorator or
+    an `if` test naming it); walks statements only, not expressions (fast)."""
+    found: list[cst.CSTNode] = []
+
+    def walk(body: Iterable[cst.CSTNode], path: tuple[str, ...], top: cst.CSTNode) -> None:
+        for node in body:
+            top = node if node in source.tops else top
+            inner = path
+            if isinstance(node, cst.FunctionDef | cst.ClassDef):
+                inner = (*path, node.name.value)
+            hit: cst.CSTNode | None = None
+            if isinstance(node, cst.FunctionDef):
+                qualified = ".".join(inner)
+                if edit.scope == "function" and f".{qualified}".endswith(f".{edit.name}"):
+                    hit = node
+                if edit.scope == "model" and any(edit.name in _strings(d) for d in node.decorators):
+                    hit = node
+            if (
+                isinstance(node, cst.If)
+                and edit.scope == "model"
+                and edit.name in _strings(node.test)
+            ):
+                hit = node.body
+            if hit is not None:
+                source.focus(top)
+                found.append(hit)
+            for attr in ("body", "orelse", "handlers", "finalbody"):
+                child = getattr(node, attr, None)
+                if isinstance(child, cst.IndentedBlock | cst.Else | cst.Finally):
+                    child = child.body
+                if isinstance(child, cst.IndentedBlock):
+                    child = child.body
+                if isinstance(child, cst.CSTNode):
+                    child = [child]
+                if isinstance(child, list | tuple):
+                    walk(child, inner, top)
+
+    walk(source.module.body, (), source.module)
+    return found
+
+
+def scope_key(edit: Edit) -> list[str]:
+    """Text a module must hold to be searched for the scope (a cheap filter)."""
+    if edit.scope == "function":
+        *classes, function = edit.name.split(".")
+        return [f"def {function}", *(f"class {c}" for c in classes)]
+    return [edit.name]
