@@ -2,7 +2,7 @@
 `rebase --step`, and count the stops that need a person, by class.
 
     PYTHONPATH=scripts python benchmarks/replay.py [--to 0.5.23] [--work DIR]
-        [--resume] [--record] [--install-envs] [--out docs/rebases]
+        [--resume] [--record] [--install-envs X,Y] [--out docs/rebases]
 
 A scratch fork is made in --work (default /tmp/sm120-replay/fork): sglang 0.5.9
 imported from the package index, the series as it stood then
@@ -20,9 +20,9 @@ to the work tree before `rebase --continue --note`), and counts the stop. A stop
 with no recorded resolution ends the replay there (exit 1); --record saves the
 work tree's edits as that resolution's patch text and --resume goes on.
 
-Gate environments: a release's behaviour check needs that release's; by default
-none is installed (SM120_GATE_ENV_INSTALL=no; --install-envs lifts it), so a
-release without one says so in its stop's reason. Results: replay_report.py
+Gate environments: a release's behaviour check needs that release's; only those
+of --install-envs are installed (SM120_GATE_ENV_INSTALL; default none, since each
+is about 11 GB), so a release without one says so in its stop's reason. Results: replay_report.py
 writes <out>/replay-<from>-to-<to>.{json,md}. Not part of `nox -s tests`.
 """
 
@@ -164,7 +164,9 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/sm120-replay"))
     parser.add_argument("--resume", action="store_true", help="go on from the last stop")
     parser.add_argument("--record", action="store_true", help="save the stop's resolution")
-    parser.add_argument("--install-envs", action="store_true", help="install gate envs")
+    parser.add_argument(
+        "--install-envs", default="no", help="releases whose gate env may be installed (X,Y)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "rebases")
     args = parser.parse_args()
     fork = args.work / "fork"
@@ -172,8 +174,7 @@ def main() -> int:
     if args.record:
         say(f"recorded {record(fork).relative_to(ROOT)}; add its .toml, then --resume")
         return 0
-    if not args.install_envs:
-        os.environ["SM120_GATE_ENV_INSTALL"] = "no"
+    os.environ["SM120_GATE_ENV_INSTALL"] = args.install_envs
     started = time.monotonic()
     if args.resume:
         saved = json.loads(log.read_text())

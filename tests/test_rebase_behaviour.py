@@ -180,6 +180,9 @@ def test_no_install_says_how_to_install(tmp_path: Path, monkeypatch: pytest.Monk
     (root / "pyproject.toml").write_text('[project]\nname = "x"\ndependencies = []\n')
     with pytest.raises(gateenv.GateEnvError, match=r"--release 0\.5\.10"):
         gaterows.gate_env(root, "0.5.10", print)
+    monkeypatch.setenv(gaterows.INSTALL_VARIABLE, "0.5.13,0.5.20")
+    with pytest.raises(gateenv.GateEnvError, match=r"=0\.5\.13,0\.5\.20"):
+        gaterows.gate_env(root, "0.5.10", print)
 
 
 def _venv(cache: Path, version: str, pins: str) -> Path:

@@ -38,7 +38,8 @@ else:  # pragma: no cover
 
 GATES = Path("tests") / "gates"
 # "no": a release whose gate environment is not installed yet is not installed (the
-# patch then stays a conflict, and its reason says so); anything else installs it.
+# patch then stays a conflict, and its reason says so); a comma-separated list of
+# versions: only those are installed; unset or anything else: every one is.
 INSTALL_VARIABLE = "SM120_GATE_ENV_INSTALL"
 # A venv to judge every release in, whatever its version (a synthetic release cut
 # from the pinned tree has no wheel to read pins from; the pinned release's env fits).
@@ -107,10 +108,12 @@ def gate_env(fork_root: Path, version: str, say: Callable[[str], None]) -> GateE
     env = for_release(fork_root, version)
     if env.current:
         return env
-    if os.environ.get(INSTALL_VARIABLE, "").lower() == "no":
+    allowed = os.environ.get(INSTALL_VARIABLE, "").strip()
+    if allowed.lower() == "no" or ("." in allowed and version not in allowed.split(",")):
         raise GateEnvError(
             f"sglang {version}'s gate environment is not installed ({env.venv}) and "
-            f"{INSTALL_VARIABLE}=no; `python -m sm120fork.gateenv --release {version}` installs it"
+            f"{INSTALL_VARIABLE}={allowed}; `python -m sm120fork.gateenv --release {version}` "
+            "installs it"
         )
     pins = release_pins(version)
     say(f"installing sglang {version}'s gate environment into {env.venv} (pip's log: {env.log})")
