@@ -321,3 +321,35 @@ def test_malformed_edits_are_named(edit: str, message: str) -> None:
     text = f'[[intent]]\npatch = "p"\nsays = "s"\n[[intent.edit]]\n{edit}'
     with pytest.raises(FatalError, match=message):
         parse_intent(tomllib.loads(text)["intent"][0], "test")
+
+
+def test_an_arch_test_matches_in_any_spelling_and_new_code_takes_the_modules() -> None:
+    source = textwrap.dedent("""\
+        from sglang.srt.runtime_context import get_platform
+
+
+        def f(cfg):
+            if get_platform().is_cuda and get_platform().is_sm100:
+                cfg.backend = "trtllm_mha"
+    """)
+    edits = """
+        [[intent.edit]]
+        function = "f"
+        add_elif_after = "is_cuda() and is_sm100_supported()"
+        code = '''
+        elif is_cuda() and is_sm120_supported():
+            cfg.backend = "triton"
+        '''
+
+        [[intent.edit]]
+        module_of = "f"
+        import_beside = "is_sm100_supported"
+        name = "is_sm120_supported"
+    """
+    result = apply(source, edits)
+    assert result.status == "resolved", result.detail
+    assert result.changes[PATH] == source + (
+        "    elif get_platform().is_cuda and get_platform().is_sm120:\n"
+        '        cfg.backend = "triton"\n'
+    )
+    assert "is not needed" in result.detail  # no helper import where get_platform() tests

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ast
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import libcst as cst
 
+from sm120fork.intent.archform import spelled_for
 from sm120fork.intent.locate import (
     Block,
     Source,
@@ -86,7 +87,8 @@ def _after(source: Source, found: Found, code: str, order: int, edit: Edit | Non
     statement, block, index = found
     line = source.span(statement)[2] + 1
     following = block.body[index + 1] if 0 <= index < len(block.body) - 1 else None
-    blanks = _blanks(getattr(following, "leading_lines", ()))
+    # The last statement of a block: a paragraph is set off by one blank line.
+    blanks = _blanks(getattr(following, "leading_lines", ())) if following is not None else 1
     blanks = blanks if _separated(code, edit) else 0
     indent = source.indent(source.span(statement)[0])
     at = source.offset(line)
@@ -123,6 +125,8 @@ def _top(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> Splice:
     block = body if isinstance(body, cst.IndentedBlock) else scope
     if not isinstance(block, cst.IndentedBlock) or not block.body:
         raise Missing("the scope has no indented body")
+    if edit.target == "end":
+        return _after(source, (block.body[-1], block, len(block.body) - 1), edit.code, order, edit)
     first = block.body[0]
     docstring = (
         isinstance(first, cst.SimpleStatementLine)
@@ -137,14 +141,20 @@ def _top(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> Splice:
 def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
     """The splices that make `edit` in `source`; Missing when its anchor is not there."""
     op = edit.op
+    if op != "import_beside":
+        edit = replace(edit, code=spelled_for(source.text, edit.code))
     if op.startswith("refuse") and not _raises(edit.code):
         raise Missing(f"`{op}` code must raise (a refusal)")
+    if op == "add_branch_before":
+        return _branch_before(source, scope, edit, order)
+    if op == "comment_after":
+        return [_comment_after(source, scope, edit, order)]
     if op.endswith("_at"):
         return [_top(source, scope, edit, order)]
-    if op.endswith("_after") and op != "add_elif_after":
+    if op in ("insert_after", "refuse_after"):
         found = one(source, scope, edit, edit.target)
         return [_after(source, found, edit.code, order, edit)]
-    if op.endswith("_before"):
+    if op in ("insert_before", "refuse_before"):
         found = one(source, scope, edit, edit.target)
         return [_before(source, found, edit.code, order, edit)]
     if op == "add_elif_after":
@@ -175,6 +185,38 @@ def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Spl
     if op == "replace":
         return _replace(source, scope, edit, order)
     return [_import(source, edit, order)]
+
+
+def _branch_before(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
+    """A new branch before the one testing `target`: an `if` target becomes `elif`."""
+    branch, _, index = one(source, scope, edit, f"if {edit.target}")
+    if not edit.code.lstrip().startswith("if "):
+        raise Missing("`add_branch_before` code must start with `if`")
+    line, column = source.span(branch)[:2]
+    at = source.offset(line)
+    code = edit.code
+    if index < 0:  # before an elif: the new branch is an elif too
+        return [Splice(at, at, order, block_text(f"el{code.lstrip()}", source.indent(line)))]
+    keyword = source.offset(line, column)
+    return [
+        Splice(at, at, order, block_text(code, source.indent(line))),
+        Splice(keyword, keyword + 2, order, "elif"),
+    ]
+
+
+def _comment_after(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> Splice:
+    """Comment lines after the scope's one comment line that reads `target`."""
+    first, _, last, _ = source.span(scope)
+    wanted = edit.target.strip()
+    lines = [n for n in range(first, last + 1) if _line(source, n).strip() == wanted]
+    if len(lines) != 1:
+        raise Missing(f"{len(lines)} comment lines `{wanted}` in {edit.where()}")
+    at = source.offset(lines[0] + 1)
+    return Splice(at, at, order, block_text(edit.code, source.indent(lines[0])))
+
+
+def _line(source: Source, number: int) -> str:
+    return source.text[source.offset(number) : source.offset(number + 1)]
 
 
 def _replace(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:

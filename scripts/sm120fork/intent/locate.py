@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from sm120fork.intent.archform import canonical
 from sm120fork.intent.model import Edit
 
 Block = cst.Module | cst.IndentedBlock
@@ -102,16 +103,17 @@ class Source:
 
 
 def expression_form(code: str) -> str | None:
-    """The syntax tree of an expression, or None if `code` is not one."""
+    """The syntax tree of an expression (arch tests in one spelling), or None if `code`
+    is not one."""
     try:
-        return ast.dump(ast.parse(f"(\n{code}\n)", mode="eval").body)
+        return ast.dump(canonical(ast.parse(f"(\n{code}\n)", mode="eval").body))
     except SyntaxError:
         return None
 
 
 def statement_form(code: str) -> str | None:
     try:
-        return ast.dump(ast.parse(textwrap.dedent(code).strip("\n") + "\n"))
+        return ast.dump(canonical(ast.parse(textwrap.dedent(code).strip("\n") + "\n")))
     except SyntaxError:
         return None
 
@@ -140,10 +142,14 @@ def statement_matcher(pattern: str) -> Callable[[Source, cst.CSTNode], bool]:
 
 def statements(root: cst.CSTNode) -> Iterator[tuple[cst.BaseStatement, Block, int]]:
     """Every statement under `root` (elif branches included), with its block and index;
-    under a module, only the module's own statements (`module_of` edits module level)."""
+    under a module or a class, only its own statements (`module_of` edits module level,
+    `class` the class's fields)."""
     found: list[tuple[cst.BaseStatement, Block, int]] = []
     if isinstance(root, cst.Module):
         return iter([(s, root, i) for i, s in enumerate(root.body)])
+    if isinstance(root, cst.ClassDef) and isinstance(root.body, cst.IndentedBlock):
+        block = root.body
+        return iter([(s, block, i) for i, s in enumerate(block.body)])
 
     class Walker(cst.CSTVisitor):
         def on_visit(self, node: cst.CSTNode) -> bool:
@@ -231,12 +237,15 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
             if isinstance(node, cst.FunctionDef | cst.ClassDef):
                 inner = (*path, node.name.value)
             hit: cst.CSTNode | None = None
-            if isinstance(node, cst.FunctionDef):
+            if isinstance(node, cst.FunctionDef | cst.ClassDef):
                 qualified = ".".join(inner)
-                if edit.scope == "function" and f".{qualified}".endswith(f".{edit.name}"):
+                wanted = cst.FunctionDef if edit.scope == "function" else cst.ClassDef
+                named = f".{qualified}".endswith(f".{edit.name}")
+                if edit.scope in ("function", "class") and isinstance(node, wanted) and named:
                     hit = node
-                if edit.scope == "model" and any(edit.name in _strings(d) for d in node.decorators):
-                    hit = node
+            decorators = node.decorators if isinstance(node, cst.FunctionDef) else ()
+            if edit.scope == "model" and any(edit.name in _strings(d) for d in decorators):
+                hit = node
             if (
                 isinstance(node, cst.If)
                 and edit.scope == "model"
@@ -263,7 +272,8 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
 
 def scope_key(edit: Edit) -> list[str]:
     """Text a module must hold to be searched for the scope (a cheap filter)."""
-    if edit.scope == "function":
-        *classes, function = edit.name.split(".")
-        return [f"def {function}", *(f"class {c}" for c in classes)]
+    if edit.scope in ("function", "class"):
+        *classes, last = edit.name.split(".")
+        keyword = "def" if edit.scope == "function" else "class"
+        return [f"{keyword} {last}", *(f"class {c}" for c in classes)]
     return [edit.name]

@@ -17,15 +17,18 @@ elif get_platform().is_cuda and get_platform().is_sm120:
 '''
 
 Scopes (one per edit): `function` (a def by qualified name, `Class.method`),
-`model` (the function a decorator registers for an architecture, or the `if`
-branch whose test names it), `module_of` (the module that defines a name).
-Operations (one per edit): `insert_at` ("top", after the docstring),
-`insert_after` / `insert_before` (a statement), `refuse_at` / `refuse_after` /
-`refuse_before` (the same, for code that raises), `add_elif_after` (a branch
-condition), `condition` (the `if` whose test this is gets test `by`),
-`replace` (an expression or statement becomes `by`), `import_beside` (a
-`from` import of `name` next to this one). Statements and conditions are
-matched by their syntax tree, so formatting and quotes do not matter.
+`class` (a class by qualified name: its fields), `model` (the function a
+decorator registers for an architecture, or the `if` branch whose test names
+it), `module_of` (the module that defines a name). Operations (one per edit):
+`insert_at` ("top", after the docstring, or "end"), `insert_after` /
+`insert_before` (a statement), `refuse_at` / `refuse_after` / `refuse_before`
+(the same, for code that raises), `add_elif_after` (a branch condition),
+`add_branch_before` (a new first branch: the old `if` becomes `elif`),
+`comment_after` (comment lines after the comment line given), `condition` (the
+`if` whose test this is gets test `by`), `replace` (an expression or statement
+becomes `by`), `import_beside` (a `from` import of `name` next to this one).
+Statements and conditions are matched by their syntax tree, so formatting and
+quotes do not matter.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import tomllib
 
 from sm120fork.errors import FatalError
 
-SCOPES = ("function", "model", "module_of")
+SCOPES = ("function", "class", "model", "module_of")
 # Operation key -> the key holding its code.
 OPERATIONS = {
     "insert_at": "code",
@@ -47,6 +50,8 @@ OPERATIONS = {
     "refuse_after": "code",
     "refuse_before": "code",
     "add_elif_after": "code",
+    "add_branch_before": "code",
+    "comment_after": "code",
     "condition": "by",
     "replace": "by",
     "import_beside": "name",
@@ -68,7 +73,12 @@ class Edit:
     paragraph: bool = False  # inserted code set off by blank lines, as the anchor's neighbours
 
     def where(self) -> str:
-        label = {"function": "def", "model": "the override for", "module_of": "the module of"}
+        label = {
+            "function": "def",
+            "class": "class",
+            "model": "the override for",
+            "module_of": "the module of",
+        }
         return f"{label[self.scope]} {self.name}"
 
 
@@ -137,8 +147,8 @@ def _edit(raw: object, where: str) -> Edit:
     paragraph = raw.get("paragraph", False)
     if not isinstance(paragraph, bool):
         raise FatalError(f"{where}: `paragraph` must be true or false")
-    if op.endswith("_at") and values[op] != "top":
-        raise FatalError(f'{where}: `{op}` must be "top"')
+    if op.endswith("_at") and values[op] not in ("top", "end"):
+        raise FatalError(f'{where}: `{op}` must be "top" or "end"')
     return Edit(
         scope=scope,
         name=str(values[scope]),

@@ -16,6 +16,7 @@ import libcst as cst
 from sm120fork.gates.model import ARCHS
 from sm120fork.gates.semantics import HELPERS
 from sm120fork.intent import archexpr
+from sm120fork.intent.archform import needs_no_import
 from sm120fork.intent.edits import Missing, alias_name, first_statement, one
 from sm120fork.intent.locate import (
     Source,
@@ -40,7 +41,11 @@ def present(source: Source, scope: cst.CSTNode, edit: Edit) -> str:
             if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar)
             for a in small.names
         }
-        return f"it imports {edit.code}" if edit.code in names else ""
+        if edit.code in names:
+            return f"it imports {edit.code}"
+        if edit.target not in names and needs_no_import(source.text, edit.code):
+            return f"it tests architectures through get_platform(), {edit.code} is not needed"
+        return ""
     if edit.op == "replace":
         old = _replace_count(source, scope, edit.target, outside=edit.code)
         new = _replace_count(source, scope, edit.code)
