@@ -208,3 +208,9 @@ def test_a_release_with_the_same_pins_reuses_an_environment(
     assert other.venv.name == "gate-env-0.5.14" and not other.current
     assert other.requirements[0] == "sglang==0.5.14"
     assert gateenv.for_release(root, "0.5.13", "anything").venv == shared
+
+
+def test_behaviour_is_the_last_strategy_before_the_conflict() -> None:
+    from sm120fork.rebase import carry
+
+    assert carry.STRATEGIES[-1] is behaviour.try_behaviour
