@@ -108,9 +108,13 @@ def stopped_at(data: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 def resolution(version: str, name: str) -> tuple[dict[str, Any], Path] | None:
     meta = RESOLUTIONS / version / f"{name}.toml"
+    text = RESOLUTIONS / version / name
     if not meta.is_file():
         return None
-    return tomllib.loads(meta.read_text()), RESOLUTIONS / version / name
+    recorded = tomllib.loads(meta.read_text())
+    if "drop" not in recorded and not text.is_file():
+        return None  # the person's words are kept, their patch text is not yet
+    return recorded, text
 
 
 def resolve(fork: Path, version: str, patch: dict[str, Any], stops: list[dict[str, Any]]) -> bool:
@@ -189,7 +193,10 @@ def main() -> int:
     data = report(fork)
     while data["result"] == "conflict":
         version, patch = stopped_at(data)
-        if not resolve(fork, version, patch, stops):
+        resolved = resolve(fork, version, patch, stops)
+        seconds = spent + time.monotonic() - started
+        log.write_text(json.dumps({"stops": stops, "seconds": seconds}, indent=1))
+        if not resolved:
             break
         data = report(fork)
     seconds = spent + time.monotonic() - started
