@@ -150,6 +150,8 @@ def record(fork: Path) -> Path:
     version, patch = stopped_at(report(fork))
     work = fork / "build" / "rebase" / "work"
     diff = run(work, "git", "diff", "HEAD").stdout
+    if not diff.strip():
+        raise SystemExit("replay: the work tree has no edits to record")
     header = patch_header(fork, patch["name"])
     target = RESOLUTIONS / version / patch["name"]
     target.parent.mkdir(parents=True, exist_ok=True)
