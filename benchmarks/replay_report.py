@@ -66,7 +66,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"# Replay of the {result['from']} series to sglang {result['to']}",
         "",
         f"Result **{result['result']}**; **{result['stops']} stops for a person**; "
-        f"wall time {result['seconds'] / 60:.1f} min (benchmarks/replay.py).",
+        f"the tool's wall time {result['seconds'] / 60:.1f} min, a person's time left out "
+        "(benchmarks/replay.py).",
         "",
         "| class | stops |",
         "|---|---|",
@@ -74,7 +75,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [f"| {k} | {n} |" for k, n in sorted(result["stops_by_class"].items())]
     lines += ["", "## Stops", "", "| # | release | patch | class | why |", "|---|---|---|---|---|"]
     for number, stop in enumerate(result["stop_list"], start=1):
-        why = f"{stop['reason']} — person: {stop['note']}".replace("|", "\\|")
+        why = " ".join(f"{stop['reason']} — person: {stop['note']}".split()).replace("|", "\\|")
         lines.append(
             f"| {number} | {stop['release']} | `{stop['patch']}` | {stop['class']} | {why} |"
         )
