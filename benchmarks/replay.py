@@ -2,7 +2,7 @@
 `rebase --step`, and count the stops that need a person, by class.
 
     PYTHONPATH=scripts python benchmarks/replay.py [--to 0.5.23] [--work DIR]
-        [--resume] [--record] [--install-envs X,Y] [--out docs/rebases]
+        [--resume] [--record] [--install-envs X,Y] [--verify] [--out docs/rebases]
 
 A scratch fork is made in --work (default /tmp/sm120-replay/fork): sglang 0.5.9
 imported from the package index, the series as it stood then
@@ -23,7 +23,10 @@ work tree's edits as that resolution's patch text and --resume goes on.
 Gate environments: a release's behaviour check needs that release's; only those
 of --install-envs are installed (SM120_GATE_ENV_INSTALL; default none, since each
 is about 11 GB), so a release without one says so in its stop's reason. Results: replay_report.py
-writes <out>/replay-<from>-to-<to>.{json,md}. Not part of `nox -s tests`.
+writes <out>/replay-<from>-to-<to>.{json,md}; with --verify, after a complete
+replay, the landed series' own rows are run on the final patched tree (SM12x
+cells, the target's gate environment) and the result says which patches still do
+what their rows say. Not part of `nox -s tests`.
 """
 
 from __future__ import annotations
@@ -159,6 +162,36 @@ def record(fork: Path) -> Path:
     return target
 
 
+def verify(fork: Path, to: str) -> dict[str, Any]:
+    """The landed series' own rows on the final patched tree, SM12x cells, in the
+    target's gate environment: which patches do what their 0.5.9 rows say."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from sm120fork import gateenv
+
+    env = gateenv.for_release(ROOT, to)
+    tree = fork.parent / "final"
+    shutil.rmtree(tree, ignore_errors=True)
+    say(f"applying the landed series to sglang {to} in {tree}")
+    run(fork, sys.executable, "-m", "sm120fork", "-C", str(fork), "apply", "--out", str(tree))
+    obs = fork.parent / "final-observations.json"
+    say(f"running the series' rows on the patched sglang {to} (sm120, sm121) in {env.venv}")
+    harness = [str(env.python), "-m", "tests.gates.gate_harness"]
+    args = ["run", "--tree", str(tree / "python"), "--arch=sm120", "--arch=sm121"]
+    run(fork, *harness, *args, "--jobs", "2", "--json", str(obs))
+    found: dict[str, Any] = {}
+    series = (fork / "patches" / "series").read_text().splitlines()
+    for name in [line.strip() for line in series if line.strip() and line[0] != "#"]:
+        cells = json.loads(run(fork, *harness, "cells", str(obs), f"--patch={name}").stdout)
+        wrong = [
+            f"row {c['row']} {c['scenario']}:{c['field']} {c['arch']}: expected "
+            f"{c['expected']}, observed {c['observed']}"
+            for c in cells
+            if not c["ok"]
+        ]
+        found[name] = {"cells": len(cells), "wrong": wrong}
+    return found
+
+
 def patch_header(fork: Path, name: str) -> str:
     text = (fork / "patches" / name).read_text()
     return text[: text.index("\n---\n") + 5]
@@ -174,6 +207,7 @@ def main() -> int:
         "--install-envs", default="no", help="releases whose gate env may be installed (X,Y)"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "rebases")
+    parser.add_argument("--verify", action="store_true", help="run the rows on the result")
     args = parser.parse_args()
     fork = args.work / "fork"
     log = args.work / "stops.json"
@@ -203,7 +237,8 @@ def main() -> int:
         data = report(fork)
     seconds = spent + time.monotonic() - started
     log.write_text(json.dumps({"stops": stops, "seconds": seconds}, indent=1))
-    paths = replay_report.write(args.out, BASE, args.to, data, stops, seconds)
+    rows = verify(fork, args.to) if args.verify and data["result"] == "complete" else None
+    paths = replay_report.write(args.out, BASE, args.to, data, stops, seconds, rows)
     say(f"{data['result']}: {len(stops)} stops for a person in {seconds:.0f} s; {paths}")
     if data["result"] == "conflict":
         version, patch = stopped_at(data)

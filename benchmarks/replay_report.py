@@ -44,7 +44,12 @@ def walk(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def build(
-    base: str, to: str, data: dict[str, Any], stops: list[dict[str, Any]], seconds: float
+    base: str,
+    to: str,
+    data: dict[str, Any],
+    stops: list[dict[str, Any]],
+    seconds: float,
+    rows: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     counted = [s for s in stops if s["class"] != "unrecorded"]
     return {
@@ -58,6 +63,7 @@ def build(
         "seconds": round(seconds, 1),
         "stop_list": counted,
         "walk": walk(data),
+        "final_rows": rows,
     }
 
 
@@ -85,6 +91,12 @@ def markdown(result: dict[str, Any]) -> str:
             f"Stopped without a recorded resolution: `{stop['patch']}` at "
             f"{stop['release']}: {stop['reason']}",
         ]
+    if result.get("final_rows") is not None:
+        lines += ["", f"## The landed series' own rows on the patched {result['to']}", ""]
+        lines += ["| patch | SM12x cells | wrong |", "|---|---|---|"]
+        for name, got in result["final_rows"].items():
+            wrong = "; ".join(got["wrong"]).replace("|", "\\|") or "none"
+            lines.append(f"| `{name}` | {got['cells']} | {wrong} |")
     lines += ["", "## Strategy per release", ""]
     names = sorted({p["name"] for r in result["walk"] for p in r["patches"]})
     lines += [
@@ -115,8 +127,9 @@ def write(
     data: dict[str, Any],
     stops: list[dict[str, Any]],
     seconds: float,
+    rows: dict[str, Any] | None = None,
 ) -> str:
-    result = build(base, to, data, stops, seconds)
+    result = build(base, to, data, stops, seconds, rows)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"replay-{base}-to-{to}"
     Path(f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
