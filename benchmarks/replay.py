@@ -170,14 +170,17 @@ def verify(fork: Path, to: str) -> dict[str, Any]:
 
     env = gateenv.for_release(ROOT, to)
     tree = fork.parent / "final"
-    shutil.rmtree(tree, ignore_errors=True)
-    say(f"applying the landed series to sglang {to} in {tree}")
-    run(fork, sys.executable, "-m", "sm120fork", "-C", str(fork), "apply", "--out", str(tree))
     obs = fork.parent / "final-observations.json"
-    say(f"running the series' rows on the patched sglang {to} (sm120, sm121) in {env.venv}")
     harness = [str(env.python), "-m", "tests.gates.gate_harness"]
-    args = ["run", "--tree", str(tree / "python"), "--arch=sm120", "--arch=sm121"]
-    run(fork, *harness, *args, "--jobs", "2", "--json", str(obs))
+    if obs.is_file() and obs.stat().st_mtime > (fork / "patches" / "series").stat().st_mtime:
+        say(f"reusing the observations of the landed series in {obs}")
+    else:
+        shutil.rmtree(tree, ignore_errors=True)
+        say(f"applying the landed series to sglang {to} in {tree}")
+        run(fork, sys.executable, "-m", "sm120fork", "-C", str(fork), "apply", "--out", str(tree))
+        say(f"running the series' rows on the patched sglang {to} (sm120, sm121) in {env.venv}")
+        args = ["run", "--tree", str(tree / "python"), "--arch=sm120", "--arch=sm121"]
+        run(fork, *harness, *args, "--jobs", "2", "--json", str(obs))
     found: dict[str, Any] = {}
     series = (fork / "patches" / "series").read_text().splitlines()
     for name in [line.strip() for line in series if line.strip() and line[0] != "#"]:
@@ -237,6 +240,10 @@ def main() -> int:
         data = report(fork)
     seconds = spent + time.monotonic() - started
     log.write_text(json.dumps({"stops": stops, "seconds": seconds}, indent=1))
+    for stop in stops:  # the recorded resolution is the source of a stop's class
+        found = resolution(stop["release"], stop["patch"])
+        if found is not None:
+            stop["class"], stop["note"] = found[0]["class"], found[0]["note"]
     rows = verify(fork, args.to) if args.verify and data["result"] == "complete" else None
     paths = replay_report.write(args.out, BASE, args.to, data, stops, seconds, rows)
     say(f"{data['result']}: {len(stops)} stops for a person in {seconds:.0f} s; {paths}")
