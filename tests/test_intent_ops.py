@@ -12,19 +12,22 @@ from sm120fork.intent.model import parse_intent
 from sm120fork.intent.reapply import Reapplied, reapply
 
 PATH = "python/sglang/srt/mod.py"
+# What the snippets' new code reads (an edit whose code reads an unbound name does
+# not fit: test_new_code_reading_a_name_the_landing_place_lacks_does_not_fit).
+HEADER = "from lib import get_platform, is_blackwell, is_sm120, q, uses_gemm, x, y, z\n"
 
 
 def apply(source: str, edits: str, files: dict[str, str] | None = None) -> Reapplied:
     text = f'[[intent]]\npatch = "p.patch"\nsays = "test"\n{textwrap.dedent(edits)}'
     intent = parse_intent(tomllib.loads(text)["intent"][0], "test")
-    tree = files if files is not None else {PATH: textwrap.dedent(source)}
+    tree = files if files is not None else {PATH: HEADER + textwrap.dedent(source)}
     return reapply(intent, tree.get, sorted(tree))
 
 
 def changed(source: str, edits: str) -> str:
     result = apply(source, edits)
     assert result.status == "resolved", result.detail
-    return result.changes[PATH]
+    return result.changes[PATH].removeprefix(HEADER)
 
 
 CHECKS = '''\
@@ -169,19 +172,19 @@ def test_condition_with_comment_and_holding_picks_one_of_two_gates() -> None:
 
 
 def test_condition_by_on_several_lines_follows_the_if_indent() -> None:
-    source = "class A:\n    def f(self):\n        if a and b:\n            pass\n"
+    source = "class A:\n    def f(self):\n        if x and y:\n            pass\n"
     edits = """
         [[intent.edit]]
         function = "A.f"
-        condition = "a and b"
+        condition = "x and y"
         by = '''
-        a and (
-            b or c
+        x and (
+            y or z
         )
         '''
     """
     assert changed(source, edits) == (
-        "class A:\n    def f(self):\n        if a and (\n            b or c\n        ):\n"
+        "class A:\n    def f(self):\n        if x and (\n            y or z\n        ):\n"
         "            pass\n"
     )
 
@@ -289,17 +292,17 @@ def test_an_insert_upstream_already_has_is_upstreamed() -> None:
 
 
 def test_overlapping_edits_are_refused() -> None:
-    source = "def f():\n    return a or b\n"
+    source = "def f():\n    return x or y\n"
     edits = """
         [[intent.edit]]
         function = "f"
-        replace = "a or b"
-        by = "c"
+        replace = "x or y"
+        by = "z"
 
         [[intent.edit]]
         function = "f"
-        replace = "b"
-        by = "d"
+        replace = "y"
+        by = "x"
     """
     result = apply(source, edits)
     assert result.status == "not-found"
@@ -346,10 +349,28 @@ def test_an_arch_test_matches_in_any_spelling_and_new_code_takes_the_modules() -
         import_beside = "is_sm100_supported"
         name = "is_sm120_supported"
     """
-    result = apply(source, edits)
+    result = apply(source, edits, {PATH: source})
     assert result.status == "resolved", result.detail
     assert result.changes[PATH] == source + (
         "    elif get_platform().is_cuda and get_platform().is_sm120:\n"
         '        cfg.backend = "triton"\n'
     )
     assert "is not needed" in result.detail  # no helper import where get_platform() tests
+
+
+def test_new_code_reading_a_name_the_landing_place_lacks_does_not_fit() -> None:
+    """The recipe was written for ServerArgs (`self.x = ...`); upstream's code became a
+    function returning overrides: the anchor is there, the code could not run."""
+    source = "def f(cfg):\n    if is_sm100:\n        cfg.backend = 'a'\n"
+    edits = """
+        [[intent.edit]]
+        function = "f"
+        add_elif_after = "is_sm100"
+        code = '''
+        elif is_sm120:
+            self.backend = "triton"
+        '''
+    """
+    result = apply(source, edits)
+    assert result.status == "not-found"
+    assert "its new code reads self, which def f lacks" in result.detail

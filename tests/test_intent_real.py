@@ -38,6 +38,21 @@ def cases() -> dict[str, Case]:
     return found
 
 
+@pytest.mark.slow
+def test_each_intent_finds_its_code_among_every_module_of_the_tree() -> None:
+    """What `rebase` does: no file named, the whole tree searched (5000-odd modules)."""
+    overlay = Overlay(PATHS.upstream_tree)
+    modules = sorted(
+        p.relative_to(PATHS.upstream_tree).as_posix() for p in PATHS.upstream_tree.rglob("*.py")
+    )
+    for entry in ENTRIES:
+        patch = load_patch(PATHS.patches_dir / entry.name, entry.name, entry.strip)
+        result = reapply(INTENTS[entry.name], overlay.read, modules)
+        apply_patch(overlay, patch)
+        assert result.status == "resolved", (entry.name, result.detail)
+        assert result.changes == {path: overlay.read(path) for path in patch.paths}, entry.name
+
+
 def test_every_patch_of_the_series_has_an_intent() -> None:
     assert sorted(INTENTS) == sorted(NAMES)
 

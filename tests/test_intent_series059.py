@@ -51,6 +51,18 @@ def test_the_0_5_9_glm4_moe_intent_follows_its_gate_to_0_5_23() -> None:
     ast.parse(new)
 
 
+def test_the_0_5_9_olmo2_intent_does_not_write_serverargs_code_into_0_5_23() -> None:
+    """0.5.15 turned Olmo2's `self.attention_backend = ...` into an override returning
+    `overrides`; the recipe finds its if-chain in 0.5.23's olmo2.py but refuses to
+    write `self.` there (the rebase then leaves the patch to a person)."""
+    intent = load_intents(SERIES / "intents.toml")["sm120-olmo2-attention-triton.patch"]
+    path = "python/sglang/srt/arg_groups/model_overrides/olmo2.py"
+    text = (Path(__file__).resolve().parents[1] / "vendor" / "sglang" / path).read_text()
+    result = reapply(intent, {path: text}.get, [path])
+    assert result.status == "not-found"
+    assert "its new code reads self" in result.detail
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """Each patch's files on sglang 0.5.9 below it, and as the patch leaves them."""

@@ -56,7 +56,8 @@ class _Canonical(ast.NodeTransformer):
         name = _canonical(node)
         if name is not None:
             return ast.Name(id=name, ctx=ast.Load())
-        return super().visit(node)
+        visited: ast.AST = super().visit(node)
+        return visited
 
 
 def canonical(tree: ast.AST) -> ast.AST:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import libcst as cst
 
 from sm120fork.intent.archform import spelled_for
+from sm120fork.intent.freenames import unbound
 from sm120fork.intent.locate import (
     Block,
     Source,
@@ -27,7 +28,12 @@ from sm120fork.intent.model import Edit
 
 
 class Missing(Exception):
-    """The edit's anchor is not in its scope (or is there more than once)."""
+    """The edit's anchor is not in its scope (or is there more than once), or it is
+    (`anchored`) but the new code cannot run there."""
+
+    def __init__(self, message: str, *, anchored: bool = False) -> None:
+        super().__init__(message)
+        self.anchored = anchored
 
 
 @dataclass(frozen=True, order=True)
@@ -138,11 +144,27 @@ def _top(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> Splice:
     return _before(source, (first, block, 0), edit.code, order, edit)
 
 
-def plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
-    """The splices that make `edit` in `source`; Missing when its anchor is not there."""
+def plan(
+    source: Source, scope: cst.CSTNode, edit: Edit, order: int, introduced: frozenset[str]
+) -> list[Splice]:
+    """The splices that make `edit` in `source`; Missing when its anchor is not there, or
+    when its new code reads a name nothing there binds (`introduced`: what the
+    intent's other edits add)."""
+    if edit.op in ("import_beside", "comment_after"):
+        return _plan(source, scope, edit, order)
+    edit = replace(edit, code=spelled_for(source.text, edit.code))
+    splices = _plan(source, scope, edit, order)
+    # Where the code lands: inside the scope's function, or at module level.
+    inside = not isinstance(scope, cst.Module)
+    line = source.span(scope)[0] if inside else source.line_of(splices[0].start)
+    if names := unbound(source.tree, line, edit.code, set(introduced)):
+        lacks = f"its new code reads {', '.join(names)}, which {edit.where()} lacks"
+        raise Missing(lacks, anchored=True)
+    return splices
+
+
+def _plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:
     op = edit.op
-    if op != "import_beside":
-        edit = replace(edit, code=spelled_for(source.text, edit.code))
     if op.startswith("refuse") and not _raises(edit.code):
         raise Missing(f"`{op}` code must raise (a refusal)")
     if op == "add_branch_before":

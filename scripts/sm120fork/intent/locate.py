@@ -6,6 +6,7 @@ matter), in whichever module the code lives now.
 from __future__ import annotations
 
 import ast
+import bisect
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class Source:
     path: str
     text: str
     module: cst.Module
+    tree: ast.Module
     tops: dict[cst.CSTNode, int]  # top-level statement -> the line its code starts on
     line_starts: list[int] = field(default_factory=list)
     positions: dict[cst.CSTNode, Span] = field(default_factory=dict)
@@ -56,7 +58,7 @@ class Source:
         starts = [0]
         for line in text.split("\n"):
             starts.append(starts[-1] + len(line) + 1)
-        return cls(path, text, module, tops, starts)
+        return cls(path, text, module, tree, tops, starts)
 
     def focus(self, top: cst.CSTNode) -> None:
         """Positions for everything inside the top-level statement `top`."""
@@ -80,6 +82,9 @@ class Source:
         if node not in self.positions and node in self.tops:
             self.focus(node)
         return self.positions[node]
+
+    def line_of(self, offset: int) -> int:
+        return bisect.bisect_right(self.line_starts, offset)
 
     def offset(self, line: int, column: int = 0) -> int:
         return self.line_starts[min(line - 1, len(self.line_starts) - 1)] + column
@@ -270,10 +275,13 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
     return found
 
 
-def scope_key(edit: Edit) -> list[str]:
-    """Text a module must hold to be searched for the scope (a cheap filter)."""
+def may_hold(edit: Edit, text: str) -> bool:
+    """Whether a module's text can hold the edit's scope (a cheap filter before parsing:
+    a model is registered by a string literal, a def by `def NAME`)."""
     if edit.scope in ("function", "class"):
         *classes, last = edit.name.split(".")
         keyword = "def" if edit.scope == "function" else "class"
-        return [f"{keyword} {last}", *(f"class {c}" for c in classes)]
-    return [edit.name]
+        return all(key in text for key in [f"{keyword} {last}", *(f"class {c}" for c in classes)])
+    if edit.scope == "model":
+        return f'"{edit.name}"' in text or f"'{edit.name}'" in text
+    return edit.name in text

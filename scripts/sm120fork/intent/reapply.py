@@ -6,14 +6,18 @@ edit's output), so the edits of one file are spliced into it together.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import itertools
+import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import libcst as cst
 
 from sm120fork.intent import edits
-from sm120fork.intent.locate import Source, scope_key, scopes, within
+from sm120fork.intent.freenames import stored
+from sm120fork.intent.locate import Source, may_hold, scopes, within
 from sm120fork.intent.model import Edit, Intent
 from sm120fork.intent.present import present
 
@@ -35,13 +39,12 @@ class _Tree:
         self.sources: dict[str, Source | None] = {}
 
     def find(self, edit: Edit) -> list[tuple[Source, cst.CSTNode]]:
-        keys = scope_key(edit)
         found: list[tuple[Source, cst.CSTNode]] = []
         for path in self.paths:
             if path not in self.texts:
                 self.texts[path] = self.read(path)
             text = self.texts[path]
-            if text is None or not all(key in text for key in keys):
+            if text is None or not may_hold(edit, text):
                 continue
             if path not in self.sources:
                 self.sources[path] = Source.parse(path, text)
@@ -58,11 +61,12 @@ def reapply(
     tree = _Tree(read, candidates)
     planned: dict[str, tuple[Source, list[edits.Splice]]] = {}
     already: list[str] = []
+    introduced = _introduced(intent)
     for order, edit in enumerate(intent.edits):
         found = tree.find(edit)
         if not found:
             return Reapplied("not-found", f"{edit.where()}: not in the tree")
-        fits, misses = _fits(found, edit, order)
+        fits, misses = _fits(found, edit, order, introduced)
         if len(fits) != 1:
             if fits:
                 where = ", ".join(dict.fromkeys(fit[0].path for fit in fits))
@@ -91,8 +95,21 @@ def reapply(
 Fit = tuple[Source, str, list[edits.Splice]]  # where, what is already there, the splices
 
 
+def _introduced(intent: Intent) -> frozenset[str]:
+    """The names the intent's edits bind (a new function, an import), which its other
+    edits' code may use."""
+    names: set[str] = set()
+    for edit in intent.edits:
+        if edit.op == "import_beside":
+            names.add(edit.code)
+            continue
+        with contextlib.suppress(SyntaxError):  # a `by` expression binds nothing new
+            names |= stored(ast.parse(textwrap.dedent(edit.code).strip("\n")))
+    return frozenset(names)
+
+
 def _fits(
-    found: list[tuple[Source, cst.CSTNode]], edit: Edit, order: int
+    found: list[tuple[Source, cst.CSTNode]], edit: Edit, order: int, introduced: frozenset[str]
 ) -> tuple[list[Fit], list[str]]:
     """The scopes where `edit` is already made or can be made, and why the others cannot
     (a name can be in several modules: the one holding the anchor is meant)."""
@@ -110,8 +127,11 @@ def _fits(
                 fits.append((source, note, []))
                 continue
             try:
-                fits.append((source, "", edits.plan(source, scope, edit, order)))
-            except (edits.Missing, ValueError) as error:  # ValueError: a pattern not Python
+                fits.append((source, "", edits.plan(source, scope, edit, order, introduced)))
+            except edits.Missing as error:  # the scope that had the anchor says most
+                miss = f"{source.path}: {error};"
+                misses.insert(0 if error.anchored else len(misses), miss)
+            except ValueError as error:  # a pattern that is not Python
                 misses.append(f"{source.path}: {error};")
     return fits, misses
 
