@@ -51,6 +51,7 @@ import replay_report  # noqa: E402
 BASE = "0.5.9"
 SERIES = ROOT / "benchmarks" / "data" / f"series-{BASE}"
 RESOLUTIONS = SERIES / "resolutions"
+SM12X = ("--arch=sm120", "--arch=sm121")
 IDENTITY = {
     "GIT_AUTHOR_NAME": "replay",
     "GIT_AUTHOR_EMAIL": "replay@example.com",
@@ -179,12 +180,13 @@ def verify(fork: Path, to: str) -> dict[str, Any]:
         say(f"applying the landed series to sglang {to} in {tree}")
         run(fork, sys.executable, "-m", "sm120fork", "-C", str(fork), "apply", "--out", str(tree))
         say(f"running the series' rows on the patched sglang {to} (sm120, sm121) in {env.venv}")
-        args = ["run", "--tree", str(tree / "python"), "--arch=sm120", "--arch=sm121"]
+        args = ["run", "--tree", str(tree / "python"), *SM12X]
         run(fork, *harness, *args, "--jobs", "2", "--json", str(obs))
     found: dict[str, Any] = {}
     series = (fork / "patches" / "series").read_text().splitlines()
     for name in [line.strip() for line in series if line.strip() and line[0] != "#"]:
-        cells = json.loads(run(fork, *harness, "cells", str(obs), f"--patch={name}").stdout)
+        judged = run(fork, *harness, "cells", str(obs), f"--patch={name}", *SM12X)
+        cells = json.loads(judged.stdout)
         wrong = [
             f"row {c['row']} {c['scenario']}:{c['field']} {c['arch']}: expected "
             f"{c['expected']}, observed {c['observed']}"
