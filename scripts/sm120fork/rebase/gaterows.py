@@ -117,7 +117,8 @@ def gate_env(fork_root: Path, version: str, say: Callable[[str], None]) -> GateE
         )
     pins = release_pins(version)
     say(f"installing sglang {version}'s gate environment into {env.venv} (pip's log: {env.log})")
-    with Progress("gate environment") as shown:
+    # Plain lines: the carry's own live counters are on the terminal already.
+    with Progress("gate environment", live=False) as shown:
         install(env, shown, pins)
     return env
 
