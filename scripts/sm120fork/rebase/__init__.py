@@ -8,10 +8,13 @@ The steps, as a maintainer would do them by hand (see `flow.py`):
    (`targets`);
 3. build a scratch git repository under build/rebase/work: the old base, one
    commit per patch, then each new release as a commit on top (`workrepo`);
-4. carry each patch in series order: exact, at an offset, already upstream,
-   or a 3-way merge by `git cherry-pick` (`carry`); stop on a conflict and
-   describe it (`conflicts`); each result is recorded as data (`ledger`) and
-   worded in one place (`fate`);
+4. carry each patch in series order through an ordered list of strategies
+   (`carry.STRATEGIES`, each a function over a frozen `strategy.CarryContext`):
+   exact, already upstream, at an offset, by intent, a 3-way merge by
+   `git cherry-pick`, relocated where its code went (`relocate`), the rules
+   that resolve a conflict (`resolutions`); stop on a conflict and describe it
+   (`conflicts`); each result, with the strategy's name, is recorded as data
+   (`ledger`) and worded in one place (`fate`);
 5. land vendor/sglang, its lock, patches/ and CHANGELOG.md in one step,
    guided by a journal (`landing`, `changelog`);
 6. write build/rebase/report.json and report.md (`report`).

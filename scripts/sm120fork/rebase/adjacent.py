@@ -62,7 +62,8 @@ def merged(
     patch = changes(base, theirs, upstream=False)
     if not upstream or not patch:
         return None
-    if any(_opens_or_gates(base[u.start : u.end]) for u in upstream):
+    prose = _prose(base)
+    if any(_opens_or_gates(base[u.start : u.end], prose[u.start : u.end]) for u in upstream):
         return None
     if any(u.clashes(p, same_point=same_point) for u in upstream for p in patch):
         return None
@@ -77,9 +78,31 @@ def merged(
     return out
 
 
-def _opens_or_gates(lines: list[str]) -> bool:
-    """Whether any line opens a block or tests the GPU architecture."""
-    return any(_code(line).endswith(":") or is_gate_text(line) for line in lines)
+SAME_LINES = "both sides change the same lines"
+CONDITION = (
+    "upstream changed a line that opens a block or tests the architecture, next to the patch's"
+)
+
+
+def why_not(ours: list[str], base: list[str], theirs: list[str]) -> str:
+    """Why `merged` refuses a block (or some other rule's shape was not met)."""
+    upstream = changes(base, ours, upstream=True)
+    patch = changes(base, theirs, upstream=False)
+    if any(u.clashes(p, same_point=True) for u in upstream for p in patch):
+        return SAME_LINES
+    prose = _prose(base)
+    if any(_opens_or_gates(base[u.start : u.end], prose[u.start : u.end]) for u in upstream):
+        return CONDITION
+    return "no rule fits its shape"
+
+
+def _opens_or_gates(lines: list[str], prose: list[bool]) -> bool:
+    """Whether any line of code (not prose) opens a block or tests the GPU architecture."""
+    return any(
+        _code(line).endswith(":") or is_gate_text(line)
+        for line, words in zip(lines, prose, strict=True)
+        if not words
+    )
 
 
 def _code(line: str) -> str:

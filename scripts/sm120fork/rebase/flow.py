@@ -22,7 +22,8 @@ from sm120fork.gates.diff import GateDiff
 from sm120fork.patches.stack import load_stack
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import landing, phases, preconditions, report, report_md, targets
-from sm120fork.rebase.state import MemoryStore, PatchState, RebaseState, StateDir, Target
+from sm120fork.rebase.state import MemoryStore, RebaseState, StateDir, Target
+from sm120fork.rebase.strategy import state_of
 from sm120fork.rebase.workspace import Workspace, say
 from sm120fork.upstream import lock, where
 
@@ -66,9 +67,7 @@ def _start(
             phase="fetch",
             fingerprint=preconditions.fingerprint(paths),
             targets=tuple(Target(version) for version in versions),
-            patches=tuple(
-                PatchState(p.name, p.strip, text=p.raw.decode("utf-8")) for p in stack.patches
-            ),
+            patches=tuple(state_of(p) for p in stack.patches),
         )
         if dry_run:
             return _drive(Workspace(paths, Path(scratch), MemoryStore(), dry_run=True), state)

@@ -33,11 +33,11 @@ from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.gates.diff import GateDiff
 from sm120fork.patches.lines import split_lines
 from sm120fork.patches.normalform import render_patch
-from sm120fork.patches.patchfile import parse_patch
 from sm120fork.patches.series import read_series
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import changelog, fate, report, report_md
 from sm120fork.rebase.state import Journal, PatchState, RebaseState, crash_point
+from sm120fork.rebase.strategy import parsed
 from sm120fork.rebase.workspace import Workspace, say
 from sm120fork.upstream import lock
 
@@ -218,9 +218,9 @@ def patch_bytes(original: bytes, patch: PatchState, today: str) -> bytes:
     carried = patch.text.encode("utf-8")
     if carried == original:
         return original
-    parsed = parse_patch(carried, patch.name, patch.strip)
-    diff = "".join(split_lines(patch.text)[parsed.header_lines :])
-    return render_patch(parsed.header.with_last_update(today), diff)
+    file = parsed(patch)
+    diff = "".join(split_lines(patch.text)[file.header_lines :])
+    return render_patch(file.header.with_last_update(today), diff)
 
 
 def without_intents(text: str, dropped: set[str]) -> str:

@@ -60,8 +60,8 @@ def try_resolutions(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
         return None
     conflicts = _described(ctx, patch)
     resolved = resolutions.resolve_worktree(ctx.repo)
-    if resolved is None:
-        ctx.repo.checkout(ctx.tip)
+    if resolved is None or set(patch.parsed.paths) <= set(resolved.deleted):
+        ctx.repo.checkout(ctx.tip)  # none, or nothing of the patch would be left: a judgement
         return None
     where = ", ".join(f"{PurePosixPath(c.file).name}:{c.line}" for c in conflicts)
     reason = (

@@ -61,7 +61,9 @@ def rewrite(
         f"{outcome.reason}; its own lines called {', '.join(called)}, which {ctx.version} no "
         f"longer defines there: rewritten as upstream now writes it ({said})"
     )
-    repaired = finish(ctx, patch.parsed, outcome.status, reason, f"{outcome.strategy}+{NAME}")
+    # Its text changed, so it no longer applied "as it was" (clean, offset).
+    status = "merged" if outcome.status in ("clean", "offset") else outcome.status
+    repaired = finish(ctx, patch.parsed, status, reason, f"{outcome.strategy}+{NAME}")
     if not repaired.commit or broken_lines(ctx.repo, ctx.tip, repaired.commit, ctx.previous):
         _restore(ctx, outcome)
         return None

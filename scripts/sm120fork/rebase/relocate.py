@@ -9,8 +9,9 @@ shifted (a method that became a function), found in exactly one place of
 another Python file, where they are new since the previous release (moved
 there, not a copy that was always there). Several such places: the one
 inside a function of the hunk's own section name, if exactly one is. Every
-hunk must apply at home or be found so; otherwise this is not a move the
-tool can be sure of, and the strategies after it decide.
+hunk must apply at home or be found so, or else lie in a function that
+moved whole (movedfunction.py); otherwise this is not a move the tool can be
+sure of, and the strategies after it decide.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import PurePosixPath
 
 from sm120fork.patches.applier import ApplyError, Overlay, apply_file, write_changes
 from sm120fork.patches.diffs import FileDiff, Hunk, HunkLine
-from sm120fork.rebase.strategy import CarriedPatch, CarryContext, Outcome, finish
+from sm120fork.rebase.movedfunction import enclosing, merge
+from sm120fork.rebase.strategy import CarriedPatch, CarryContext, Outcome, finish, text_of
 
 _DEF = re.compile(r"^\s*(?:async\s+)?def\s+(\w+)")
 _MIN_LINES = 2  # non-blank old lines a hunk needs to be looked for elsewhere
@@ -36,36 +38,53 @@ class Place:
 
 def try_relocate(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
     overlay = Overlay(ctx.repo.root)
-    moved: list[tuple[str, Place]] = []
-    candidates: list[str] | None = None
+    said: list[str] = []  # where each moved hunk or function went
+    kinds: list[str] = []  # the rules a moved function's merge needed
+    candidates = [p for p in ctx.repo.files() if p.endswith(".py")]
     for diff in patch.parsed.files:
+        if diff.old_path is None or diff.new_path is None:
+            if not _apply(overlay, diff, diff.path):
+                return None  # a created or deleted file does not move
+            continue
+        patched = ctx.repo.read(ctx.previous, diff.path) or ""
+        placed: set[str | None] = set()  # the functions of hunks placed one by one
+        functions: list[str] = []  # the functions to merge whole where they went
         for hunk in diff.hunks:
+            home = enclosing(patched, hunk)
             one = replace(diff, hunks=(hunk,))
             if _apply(overlay, one, diff.path):
+                placed.add(home)
                 continue
-            if diff.old_path is None or diff.new_path is None:
-                return None  # a created or deleted file does not move
-            if candidates is None:
-                candidates = [p for p in ctx.repo.files() if p.endswith(".py")]
             place = _find(ctx, overlay, hunk, diff.path, candidates)
             there = _moved(one, hunk, place) if place is not None else None
-            if place is None or there is None or not _apply(overlay, there, place.path):
+            if place is not None and there is not None and _apply(overlay, there, place.path):
+                placed.add(home)
+                said.append(f"{_name(diff.path)} -> {_name(place.path)}:{place.start + 1}")
+                said[-1] += f" (re-indented {place.shift:+d})" if place.shift else ""
+            elif home is None:
                 return None
-            moved.append((diff.path, place))
-    if not moved:
+            elif home not in functions:
+                functions.append(home)
+        if placed & set(functions):
+            return None  # part of a function placed hunk by hunk: not one move
+        for name in functions:
+            found = merge(ctx, overlay, diff.path, name, candidates)
+            if found is None:
+                return None
+            said.append(f"{_name(diff.path)}:{name}() -> {_name(found.path)}, merged 3-way")
+            kinds += [kind for kind in found.kinds if kind not in kinds]
+    if not said:
         return None
     write_changes(ctx.repo.root, overlay.changes)
-    where = "; ".join(
-        f"{PurePosixPath(old).name} -> {PurePosixPath(p.path).name}:{p.start + 1}"
-        + (f" (re-indented {p.shift:+d})" if p.shift else "")
-        for old, p in moved
-    )
-    count = f"{len(moved)} hunk{'s' if len(moved) != 1 else ''}"
     reason = (
-        f"its code left its file in {ctx.version}: {count} re-applied where the same lines "
-        f"now are ({where}); refreshed"
+        f"its code left its file in {ctx.version}: re-applied where it went "
+        f"({'; '.join(said)}); refreshed"
     )
-    return finish(ctx, patch.parsed, "merged", reason, "relocate")
+    return finish(ctx, patch.parsed, "merged", reason, "+".join(["relocate", *kinds]))
+
+
+def _name(path: str) -> str:
+    return PurePosixPath(path).name
 
 
 def _apply(overlay: Overlay, diff: FileDiff, path: str) -> bool:
@@ -84,11 +103,13 @@ def _find(
     if sum(bool(line.strip()) for line in old) < _MIN_LINES:
         return None
     probe = max((line.strip() for line in old), key=len)
+    if probe in text_of(overlay, home):
+        return None  # its most telling line is still at home: edited there, not moved
     places: list[Place] = []
     for path in candidates:
         if path == home:
             continue
-        text = overlay.read(path) or ""
+        text = text_of(overlay, path)
         if probe not in text:
             continue
         before = ctx.repo.read(ctx.previous, path) or ""
@@ -155,7 +176,7 @@ def _reindent(text: str, shift: int) -> str | None:
 
 
 def _enclosing(overlay: Overlay, place: Place) -> str | None:
-    lines = (overlay.read(place.path) or "").splitlines()
+    lines = text_of(overlay, place.path).splitlines()
     indent = _indent(lines[place.start]) if place.start < len(lines) else 0
     for line in reversed(lines[: place.start]):
         found = _DEF.match(line)

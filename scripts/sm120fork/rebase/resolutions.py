@@ -64,6 +64,7 @@ PHRASES = {
 class Resolved:
     kinds: tuple[str, ...]  # the rules used, in RULES order, deleted-file last
     phrases: tuple[str, ...]
+    deleted: tuple[str, ...] = ()  # the files upstream deleted, with the patch's hunks
 
 
 def resolve_block(
@@ -120,7 +121,7 @@ def resolve_worktree(repo: WorkRepo) -> Resolved | None:
         used.append(DELETED_FILE)
         names = ", ".join(PurePosixPath(p).name for p in sorted(deleted))
         phrases.append(f"upstream deleted {names} (the patch's hunks there go with it)")
-    return Resolved(tuple(used), tuple(phrases))
+    return Resolved(tuple(used), tuple(phrases), tuple(sorted(deleted)))
 
 
 def why_not(repo: WorkRepo) -> str:
@@ -132,7 +133,10 @@ def why_not(repo: WorkRepo) -> str:
         if stages == {1, 2}:
             found.append(f"the patch deletes {name}, which upstream changed")
             continue
-        if stages == {1, 3} or not file.is_file():
+        if stages == {1, 3}:
+            found.append(f"upstream deleted {name}, and nothing else of the patch is left")
+            continue
+        if not file.is_file():
             continue
         blocks = [
             s
@@ -140,7 +144,8 @@ def why_not(repo: WorkRepo) -> str:
             if not isinstance(s, str)
         ]
         stuck = [b for b in blocks if resolve_block(b.ours, b.base, b.theirs) is None]
-        if stuck:
-            count = f"{len(stuck)} block{'s' if len(stuck) != 1 else ''}"
-            found.append(f"in {name}, {count} where both sides change the same lines")
+        whys = [adjacent.why_not(b.ours, b.base, b.theirs) for b in stuck]
+        for why in dict.fromkeys(whys):
+            count = whys.count(why)
+            found.append(f"in {name}, {count} block{'s' if count != 1 else ''} where {why}")
     return "; ".join(found)

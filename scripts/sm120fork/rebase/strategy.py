@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from pathlib import Path
 
+from sm120fork.errors import FatalError
 from sm120fork.intent.model import Intent
 from sm120fork.patches.applier import ApplyError, Overlay, PatchResult, apply_patch, write_changes
 from sm120fork.patches.diffs import FileDiff, Hunk, HunkLine
@@ -70,14 +70,22 @@ def carried(patch: PatchState) -> CarriedPatch:
 
 
 def parsed(patch: PatchState) -> PatchFile:
-    """The patch's text parsed; the same text (at the same release or the next ones,
-    in prepare, carry, --continue) is parsed once per rebase."""
-    return _parse(patch.text, patch.name, patch.strip)
+    """The patch's text parsed: each text once per process, wherever it is needed
+    (loading the series, prepare, each release's carry, --continue, landing)."""
+    key = (patch.text, patch.name, patch.strip)
+    if key not in _PARSED:
+        _PARSED[key] = parse_patch(patch.text.encode("utf-8"), patch.name, patch.strip)
+    return _PARSED[key]
 
 
-@lru_cache(maxsize=256)
-def _parse(text: str, name: str, strip: int) -> PatchFile:
-    return parse_patch(text.encode("utf-8"), name, strip)
+def state_of(file: PatchFile) -> PatchState:
+    """A patch of the series as the rebase starts it, its parse kept for `parsed`."""
+    text = file.raw.decode("utf-8")
+    _PARSED[(text, file.name, file.strip)] = file
+    return PatchState(file.name, file.strip, text=text)
+
+
+_PARSED: dict[tuple[str, str, int], PatchFile] = {}  # (text, name, strip) -> its parse
 
 
 def finish(
@@ -95,6 +103,15 @@ def finish(
     after = {path: repo.read(commit, path) for path in paths}
     text = render_patch(patch.header, ctx.renderer.diff(before, after)).decode("utf-8")
     return Outcome(status, reason, commit, text, strategy=strategy)
+
+
+def text_of(overlay: Overlay, path: str) -> str:
+    """The file's text; "" when absent, or not text the tool may read (a link out of
+    the tree, not UTF-8): such a file is no place code moved to."""
+    try:
+        return overlay.read(path) or ""
+    except FatalError:
+        return ""
 
 
 def apply_to_worktree(
