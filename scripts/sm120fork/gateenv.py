@@ -1,6 +1,7 @@
 """The architecture-gate tests' environment: where it lives, and installing it.
 
     python -m sm120fork.gateenv [--root DIR]     (what `nox -s tests` runs first)
+    python -m sm120fork.gateenv --release 0.5.10  (another release's, for a rebase)
 
 Upstream's wheel with its pinned dependencies (torch+CUDA, sgl-kernel,
 flashinfer, ... about 11 GB), pytest, and the tool's own dependencies, in a venv
@@ -11,15 +12,23 @@ venv was last installed with. Its output goes to a log file beside the venv,
 named at the end; the terminal shows one line per phase with counts.
 
 `locate` is standard library only, for the noxfile; `install` uses `rich`.
+Another release's environment (`for_release`, used by the rebase to run a patch's
+gate rows on that release) is keyed by its pin set: a venv installed for a release
+records the release's own requirements (its wheel's Requires-Dist) in
+`sm120-gate-pins.txt`, and a release with the same pins reuses it (the tested tree
+shadows the installed sglang, so only the dependencies matter).
 """
 
 from __future__ import annotations
 
 import argparse
+import email
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +70,11 @@ class GateEnv:
         return self.venv / "sm120-gate-requirements.txt"
 
     @property
+    def pins(self) -> Path:
+        """The release's own requirements the venv was installed for (for_release)."""
+        return self.venv / "sm120-gate-pins.txt"
+
+    @property
     def log(self) -> Path:
         return self.venv.with_name(self.venv.name + "-install.log")
 
@@ -86,21 +100,61 @@ def vendored_version(root: Path) -> str:
     return match.group(1)
 
 
-def locate(root: Path) -> GateEnv:
-    """The gate environment for the checkout at `root` (nothing is created)."""
-    version = vendored_version(root)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    default = cache / "sglang-sm120" / f"gate-env-{version}"
-    venv = Path(os.environ.get("SM120_GATE_ENV") or default)
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang-sm120"
+
+
+def _requirements(root: Path, version: str) -> tuple[str, ...]:
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     # Upstream's wheel brings its own pins; the tool's deps: `sm120fork apply` builds
     # the patched tree inside the gate run, and the harness shows progress with rich.
-    requirements = (f"sglang=={version}", "pytest>=8", *project["dependencies"])
-    return GateEnv(venv, requirements)
+    return (f"sglang=={version}", "pytest>=8", *project["dependencies"])
 
 
-def install(env: GateEnv, shown: Progress) -> None:
-    """Create the venv if needed and pip-install the requirements, phase by phase."""
+def locate(root: Path) -> GateEnv:
+    """The gate environment for the checkout at `root` (nothing is created)."""
+    version = vendored_version(root)
+    default = cache_dir() / f"gate-env-{version}"
+    venv = Path(os.environ.get("SM120_GATE_ENV") or default)
+    return GateEnv(venv, _requirements(root, version))
+
+
+def release_pins(version: str) -> str:
+    """sglang `version`'s own requirements, one a line, sorted (its wheel's Requires-Dist
+    without extras), read from the wheel pip downloads for this interpreter."""
+    with tempfile.TemporaryDirectory(prefix="sm120-pins-") as tmp:
+        command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+        command += ["--only-binary=:all:", f"sglang=={version}", "-d", tmp]
+        ran = subprocess.run(command, capture_output=True, text=True, check=False)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if ran.returncode != 0 or not wheels:
+            why = (ran.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise GateEnvError(f"cannot download sglang {version}'s wheel to read its pins: {why}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            name = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+            metadata = email.message_from_bytes(wheel.read(name))
+    pins = [r for r in metadata.get_all("Requires-Dist") or [] if "extra ==" not in r]
+    return "\n".join(sorted(pins)) + "\n"
+
+
+def for_release(root: Path, version: str, pins: str | None = None) -> GateEnv:
+    """The gate environment that serves sglang `version` (nothing is installed): its own
+    venv if there is one, else a venv installed for a release with the same pins
+    (`pins`: release_pins(version), read when needed), else a new one of its own."""
+    own = GateEnv(cache_dir() / f"gate-env-{version}", _requirements(root, version))
+    if own.python.exists():
+        return own
+    pins = release_pins(version) if pins is None else pins
+    for venv in sorted(cache_dir().glob("gate-env-*")):
+        other = GateEnv(venv, ())
+        if other.pins.is_file() and other.pins.read_text() == pins and other.stamp.is_file():
+            return GateEnv(venv, tuple(other.stamp.read_text().splitlines()))
+    return own
+
+
+def install(env: GateEnv, shown: Progress, pins: str | None = None) -> None:
+    """Create the venv if needed and pip-install the requirements, phase by phase
+    (`pins`: the release's own requirements, recorded for for_release)."""
     if not env.python.exists():
         shown.line(f"creating the venv {env.venv}")
         _run([sys.executable, "-m", "venv", str(env.venv)], env.log, shown, "venv")
@@ -110,6 +164,8 @@ def install(env: GateEnv, shown: Progress) -> None:
     pip = [str(env.python), "-m", "pip", "install", "--progress-bar", "off", *env.requirements]
     _run(pip, env.log, shown, "pip")
     env.stamp.write_text(env.wanted)
+    if pins is not None:
+        env.pins.write_text(pins)
 
 
 def _run(command: Sequence[str], log: Path, shown: Progress, what: str) -> None:
@@ -181,15 +237,18 @@ class _Phases:
         self.shown.update(self.counter, name="pip: done")
 
 
-def ensure(root: Path) -> GateEnv:
-    """The gate environment of `root`, installed or brought up to date."""
-    env = locate(root)
+def ensure(root: Path, release: str | None = None) -> GateEnv:
+    """The gate environment of `root` (or of sglang `release`), installed or brought up
+    to date."""
+    pins = release_pins(release) if release else None
+    env = for_release(root, release, pins) if release else locate(root)
     if env.current:
         return env
     with Progress(PREFIX) as shown:
-        shown.line(f"pip's output goes to {env.log}")
+        what = f"sglang {release}'s" if release else "the vendored sglang's"
+        shown.line(f"installing {what} gate environment; pip's output goes to {env.log}")
         try:
-            install(env, shown)
+            install(env, shown, pins)
         except GateEnvError:
             shown.line(f"failed after {elapsed(shown.seconds)}; pip's output: {env.log}")
             raise
@@ -203,9 +262,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Install or update the architecture-gate tests' environment.",
     )
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the fork's checkout")
+    parser.add_argument("--release", help="another sglang release's environment (X.Y.Z)")
     args = parser.parse_args(argv)
     try:
-        ensure(args.root.resolve())
+        ensure(args.root.resolve(), args.release)
     except FatalError as error:
         print(f"{PREFIX}: error: {error}", file=sys.stderr)
         return 1

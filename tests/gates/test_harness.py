@@ -188,3 +188,30 @@ def test_nvml_standin_answers_a_topology_only_while_asked(
         lib.nvmlDeviceGetCudaComputeCapability(None, ctypes.byref(major), ctypes.byref(minor)) == 0
     )
     assert (major.value, minor.value) == (12, 1)
+
+
+def test_cells_judges_a_patch_s_rows_cell_by_cell(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`cells` (what the rebase's behaviour check reads): each SM12x cell of the rows
+    naming the patch, matched as the table matches, refusals told from blind cells."""
+    import json
+
+    from .gate_harness.__main__ import main
+    from .gate_harness.judge import ARCHS
+
+    patch = "sm120-olmo2-attention-triton.patch"
+    rows = [r for r in table.load_table(list(ARCHS)).rows if r.patch == patch]
+    observations = {
+        "sm120": {r.scenario: {r.field: "triton"} for r in rows},
+        "sm121": {r.scenario: {"error": "ValueError: refused"} for r in rows},
+    }
+    saved = tmp_path / "obs.json"
+    saved.write_text(json.dumps(observations))
+    assert main(["cells", str(saved), "--patch", patch, "--arch", "sm120", "--arch", "sm121"]) == 0
+    cells = json.loads(capsys.readouterr().out)
+    assert {(c["arch"], c["ok"], c["raised"]) for c in cells} == {
+        ("sm120", True, False),
+        ("sm121", False, True),
+    }
+    assert all(c["row"] == rows[0].number and c["expects_raise"] is None for c in cells)

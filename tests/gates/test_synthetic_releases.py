@@ -1,0 +1,200 @@
+"""Synthetic releases cut from the pinned tree, each a rebase of the real fork onto
+it (issue 15): where upstream (a) reformats a patched gate, (b) moves a patched
+function to another module, (c) fixes the same SM12x decision with different code,
+the patch ends `resolved`, `resolved`, `upstreamed`, the rebase exits 0, and the
+patch's own expectation rows hold on the resulting patched tree (real sglang,
+faked sm100, sm120 and sm121).
+
+Each case is its own local git remote made from vendor/sglang: v0.5.23 as vendored,
+v0.5.24 with one edit. (c) judges by behaviour (rebase/behaviour.py): the rows run
+on the new pristine release in this gate environment (SM120_REBASE_GATE_ENV; the
+synthetic release has no wheel of its own to install one from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from .gate_harness import runner, spec, table
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERRIDES = Path("python/sglang/srt/arg_groups/model_overrides")
+EXAONE = "sm120-exaone-attention-triton.patch"
+OLMO2 = "sm120-olmo2-attention-triton.patch"
+EXAONE_GATE = "            if get_platform().is_cuda and get_platform().is_sm100:\n"
+REFORMATTED = (
+    "            if (\n"
+    "                get_platform().is_cuda\n"
+    "                and get_platform().is_sm100\n"
+    "            ):\n"
+)
+OLMO2_CHAIN = """\
+        if get_platform().is_cuda and get_platform().is_sm100:
+            overrides["attention_backend"] = "trtllm_mha"
+        elif get_platform().is_cuda and get_platform().device_sm >= 80:
+            overrides["attention_backend"] = "fa3"
+        else:
+            overrides["attention_backend"] = "triton"
+"""
+# Upstream's own fix, not the patch's lines: FA3 only below Blackwell workstation parts.
+OLMO2_UPSTREAM = """\
+        platform = get_platform()
+        if platform.is_cuda and platform.is_sm100:
+            overrides["attention_backend"] = "trtllm_mha"
+        elif platform.is_cuda and 80 <= platform.device_sm < 120:
+            overrides["attention_backend"] = "fa3"
+        else:
+            # FA3 has no kernels for SM12x (nor below SM80).
+            overrides["attention_backend"] = "triton"
+"""
+EXAONE_IMPORT = "from sglang.srt.arg_groups.model_overrides import exaone  # noqa: F401\n"
+GIT_ENV = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "Upstream",
+    "GIT_AUTHOR_EMAIL": "upstream@example.com",
+    "GIT_COMMITTER_NAME": "Upstream",
+    "GIT_COMMITTER_EMAIL": "upstream@example.com",
+    "GIT_AUTHOR_DATE": "2026-01-02T03:04:05+00:00",
+    "GIT_COMMITTER_DATE": "2026-01-02T03:04:05+00:00",
+}
+
+
+def _replace(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{path.name} changed upstream: update this test's edit"
+    path.write_text(text.replace(old, new, 1))
+
+
+def reformat(tree: Path) -> None:
+    """(a) the Exaone gate the patch widens, split over lines as a formatter would."""
+    _replace(tree / OVERRIDES / "exaone.py", EXAONE_GATE, REFORMATTED)
+
+
+def move(tree: Path) -> None:
+    """(b) the Exaone override moved into gemma4.py (its module deleted), as upstream
+    regroups overrides; no rename git could follow."""
+    source = (tree / OVERRIDES / "exaone.py").read_text()
+    function = source[source.index("@_register_for(") :]
+    (tree / OVERRIDES / "exaone.py").unlink()
+    _replace(tree / OVERRIDES / "__init__.py", EXAONE_IMPORT, "")
+    gemma4 = tree / OVERRIDES / "gemma4.py"
+    gemma4.write_text(gemma4.read_text() + "\n\n" + function)
+
+
+def fix_upstream(tree: Path) -> None:
+    """(c) upstream sends SM12x to triton itself, with other code than the patch's."""
+    _replace(tree / OVERRIDES / "olmo2.py", OLMO2_CHAIN, OLMO2_UPSTREAM)
+
+
+def _run(cwd: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **GIT_ENV, "HOME": str(home), "PYTHONPATH": str(ROOT / "scripts")}
+    env["SM120FORK_DATE"] = "2026-12-01"
+    env["SM120_REBASE_GATE_ENV"] = sys.prefix  # this gate environment judges (c)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+
+
+def rebased(tmp: Path, edit: Callable[[Path], None]) -> tuple[Path, dict[str, object], str]:
+    """(patched tree, report, rebase output) after `rebase v0.5.24` onto `edit`ed 0.5.23."""
+    home = tmp / "home"
+    home.mkdir()
+    upstream = tmp / "upstream"
+    shutil.copytree(ROOT / "vendor" / "sglang", upstream)
+
+    def git(cwd: Path, *args: str) -> None:
+        result = _run(cwd, "git", *args, home=home)
+        assert result.returncode == 0, result.stderr
+
+    git(upstream, "init", "-q", ".")
+    for tag in ("v0.5.23", "v0.5.24"):
+        if tag == "v0.5.24":
+            edit(upstream)
+        git(upstream, "add", "-A", ".")
+        git(upstream, "commit", "-q", "-m", f"release {tag}")
+        git(upstream, "tag", tag)
+    fork = tmp / "fork"
+    fork.mkdir()
+    for name in ("vendor", "patches", "tests", "pyproject.toml", "CHANGELOG.md"):
+        source = ROOT / name
+        ignore = shutil.ignore_patterns("__pycache__")
+        if source.is_dir():
+            shutil.copytree(source, fork / name, ignore=ignore)
+        else:
+            shutil.copy(source, fork / name)
+    (fork / ".gitignore").write_text("/build/\n__pycache__/\n")
+    git(fork, "init", "-q", ".")
+    git(fork, "add", "-A", ".")
+    git(fork, "commit", "-q", "-m", "the fork at 0.5.23")
+    python = [sys.executable, "-m", "sm120fork", "-C", str(fork)]
+    ran = _run(fork, *python, "rebase", "v0.5.24", "--upstream-git", upstream.as_uri(), home=home)
+    output = ran.stdout + ran.stderr
+    report = json.loads((fork / "build/rebase/report.json").read_text())
+    assert ran.returncode == 0, output
+    applied = _run(fork, *python, "apply", "--out", str(tmp / "applied"), home=home)
+    assert applied.returncode == 0, applied.stderr
+    return tmp / "applied" / "python", report, output
+
+
+def rows_hold(tree: Path, patch: str, scratch: Path) -> None:
+    """The patch's own expectation rows match on `tree` on sm100, sm120 and sm121."""
+    rows = table.load_table([a.name for a in spec.load_archs()]).rows
+    mine = [r for r in rows if r.patch == patch]
+    assert mine, f"no expectation rows name {patch}"
+    archs = [a for a in spec.load_archs() if a.name in ("sm100", "sm120", "sm121")]
+    scenarios = [spec.load_scenarios()[name] for name in sorted({r.scenario for r in mine})]
+    matrix = runner.run_matrices({"result": tree}, archs, scenarios, scratch=scratch, jobs=2)
+    observations = matrix["result"].observations
+    wrong = [
+        f"{row.label} {cell.describe()}"
+        for row in mine
+        for cell in table.check_row(row, observations)
+        if cell.arch in {a.name for a in archs} and not cell.ok
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def _status(report: dict[str, object], patch: str) -> dict[str, object]:
+    patches = {p["name"]: p for p in report["patches"]}  # type: ignore[attr-defined]
+    return dict(patches[patch])
+
+
+def test_a_reformatted_gate_is_resolved(tmp_path: Path) -> None:
+    tree, report, output = rebased(tmp_path, reformat)
+    assert _status(report, EXAONE)["status"] == "resolved", output
+    rows_hold(tree, EXAONE, tmp_path / "rows")
+
+
+def test_a_moved_function_is_resolved(tmp_path: Path) -> None:
+    tree, report, output = rebased(tmp_path, move)
+    carried = _status(report, EXAONE)
+    assert carried["status"] == "resolved", output
+    assert "gemma4.py" in str(carried["detail"])
+    rows_hold(tree, EXAONE, tmp_path / "rows")
+
+
+def test_the_same_decision_in_other_code_is_upstreamed(tmp_path: Path) -> None:
+    tree, report, output = rebased(tmp_path, fix_upstream)
+    carried = _status(report, OLMO2)
+    assert carried["status"] == "upstreamed", output
+    detail = str(carried["detail"])
+    assert "row" in detail and "olmo2_dense_tp1:attention_backend" in detail, detail
+    assert "running sm120-olmo2-attention-triton.patch's 1 gate-table row" in output
+    series = (tree.parents[1] / "fork" / "patches" / "series").read_text()
+    assert OLMO2 not in series
+    rows_hold(tree, OLMO2, tmp_path / "rows")
+
+
+@pytest.mark.parametrize("edit", [reformat, move, fix_upstream])
+def test_each_edit_applies_to_the_pinned_tree(tmp_path: Path, edit: Callable[[Path], None]) -> None:
+    """The synthetic edits still find their text in vendor/sglang (a rebase of the
+    fork itself would otherwise turn these cases into a failed setup)."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "vendor" / "sglang" / "python", tree / "python")
+    edit(tree)
