@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -57,3 +60,19 @@ def atomic_write_many(files: Mapping[Path, bytes]) -> None:
         raise
     for tmp, path in staged:
         tmp.replace(path)
+
+
+def copy_tree(source: Path, dest: Path) -> None:
+    """`source` copied to `dest` (which must not exist), links kept as links.
+
+    GNU `cp -a --reflink=auto` copies in the kernel (a reflink where the file
+    system shares blocks, else copy_file_range): about twice as fast as
+    `shutil.copytree`'s Python loop over 5700 files. Elsewhere, that loop.
+    """
+    cp = shutil.which("cp")
+    if cp is not None and sys.platform.startswith("linux"):
+        argv = [cp, "-a", "--reflink=auto", "--", str(source), str(dest)]
+        if subprocess.run(argv, capture_output=True, check=False).returncode == 0:
+            return
+        shutil.rmtree(dest, ignore_errors=True)  # not GNU cp, or it failed: the slow way
+    shutil.copytree(source, dest, symlinks=True)
