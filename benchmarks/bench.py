@@ -4,14 +4,17 @@ the same real upstream inputs, as ratios of medians from one run.
     nox -s bench [-- --runs 5 --rebase-runs 3 --with-tests --only apply gates]
     PYTHONPATH=scripts python benchmarks/bench.py ...   (needs GNU quilt, `wheel`)
 
-Rows (see bench_series.py and bench_upstream.py for what each side does):
-apply the series (vs `cp -a` + `quilt push -a`), carry it 0.5.9 -> 0.5.10 (vs
-`git am -3` by hand), the gate inventory of 0.5.23 (vs `grep -rn`), the wheel
+Rows (see bench_series.py, bench_upstream.py, bench_gates.py and
+bench_rebase_growth.py for what each side does): apply the series (vs `cp -a` +
+`quilt push -a`), carry it 0.5.9 -> 0.5.10 (vs `git am -3` by hand), the gate
+inventory of 0.5.23 seen before (vs `grep -rn`) and never seen (vs the
+`ast.parse` floor), check of a 1000-patch synthetic series and its cost a patch, the wheel
 of 0.5.9 and 0.5.23 (vs `wheel unpack` + `wheel pack`), the git boundary
 (GitPython and one `cat-file --batch`, vs the subprocess-a-command boundary before
 #18; see bench_git.py), and the test suite
 (only with --with-tests; otherwise the last measured value, marked so). Then
-how apply and check grow with synthetic series of --sizes patches.
+how apply, check and the rebase (onto a synthetic next release) grow with
+synthetic series of --sizes patches (check also at --check-sizes).
 
 Every side runs as fresh processes, ours and the baseline interleaved, after
 one untimed warm-up each (page cache, bytecode). Set-up (downloads through pip
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import tempfile
 import time
@@ -34,12 +38,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_gates
 import bench_git
+import bench_rebase_growth
 import bench_series
 import bench_upstream
 from bench_common import PROJECT, Row, describe, machine, table
 
-GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth")
+GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth")
 OUT = PROJECT / "build" / "bench"
 
 
@@ -68,7 +74,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
         rows.append(bench_upstream.rebase_row(args.rebase_runs, sub("rebase")))
     if "gates" in chosen and newest is not None:
         _say(f"gates: sglang {bench_upstream.NEWEST}, ours vs grep")
-        rows.append(bench_upstream.gates_row(args.runs, newest, sub("gates")))
+        rows.extend(bench_gates.rows(args.runs, newest, sub("gates"), bench_upstream.NEWEST))
     if "wheel" in chosen and newest is not None:
         pinned = bench_upstream.project_wheel_repo(sub("wheel-pinned"))
         for repo, label in ((pinned, "the pinned release"), (newest, bench_upstream.NEWEST)):
@@ -79,7 +85,15 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
         rows.extend(bench_git.rows(args.runs))
     if "growth" in chosen:
         _say(f"growth: synthetic series of {args.sizes} patches")
-        growth = bench_series.growth(args.runs, args.sizes, sub("growth"))
+        growth = bench_series.growth(args.runs, args.sizes, sub("growth"), args.check_sizes)
+        rows.extend(bench_series.check_rows(growth))
+    if "rebase-growth" in chosen:
+        _say(f"rebase growth: synthetic series of {args.sizes} patches, one release")
+        carried = bench_rebase_growth.growth(args.rebase_runs, args.sizes, sub("rebase-growth"))
+        by_size = {r["patches"]: r for r in growth}
+        for result in carried:
+            by_size.setdefault(result["patches"], {"patches": result["patches"]}).update(result)
+        growth = sorted(by_size.values(), key=lambda r: r["patches"])
     return rows, growth
 
 
@@ -95,7 +109,8 @@ def previous_tests() -> dict[str, Any] | None:
 def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], runs: str) -> str:
     parts = [
         f"Measured {datetime.date.today()} on {describe(info)}; load average "
-        f"{info['load_1min_at_start']} at the start. {runs}; ratio = our median / "
+        f"{info['load_1min_at_start']} at the start, {info.get('load_1min_at_end', '-')} at "
+        f"the end (1 min). {runs}; ratio = our median / "
         "the baseline's median, both sides as fresh processes, interleaved.",
         "",
         table(rows),
@@ -103,8 +118,9 @@ def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], 
     if growth:
         parts += [
             "",
-            "How apply and check grow (synthetic series: one-line patches on different "
-            "real files of vendor/sglang, normal form):",
+            "How apply, check and the rebase grow (synthetic series: one-line patches on "
+            "different real files of vendor/sglang, normal form; the rebase carries them "
+            "to a synthetic next release, bench_rebase_growth.py):",
             "",
             bench_series.growth_table(growth),
         ]
@@ -116,6 +132,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="timed runs a side (default 5)")
     parser.add_argument("--rebase-runs", type=int, default=3, help="for the rebase (default 3)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 50, 200])
+    parser.add_argument(
+        "--check-sizes", type=int, nargs="*", default=[1000], help="sizes for check alone"
+    )
     parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS))
     parser.add_argument("--with-tests", action="store_true", help="also time `nox -s tests`")
     args = parser.parse_args()
@@ -130,6 +149,7 @@ def main() -> int:
     elif (tests := bench_upstream.tests_row(previous)) is not None:
         rows.append(tests)
     elapsed = time.perf_counter() - started
+    info["load_1min_at_end"] = round(os.getloadavg()[0], 2)
     runs = f"Medians of {args.runs} runs a side ({args.rebase_runs} for the rebase)"
     markdown = render(info, rows, growth, runs)
     results = {

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -127,8 +128,8 @@ def growth(runs: int, sizes: Sequence[int], scratch: Path) -> list[dict[str, Any
         seed_cache(fork, seed)
         ours, base = compare(
             runs,
-            lambda: by_tool(fork, remote, seed, where / "cache"),
-            lambda: by_hand(where, remote, fork),
+            partial(by_tool, fork, remote, seed, where / "cache"),
+            partial(by_hand, where, remote, fork),
             warmup=False,
         )
         row = Row("", "", "", tuple(ours), tuple(base), target_ratio=1.5)

@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from sm120fork.gates import scancache
 from sm120fork.gates.scan import list_files, package_dir, scan_tree
 
