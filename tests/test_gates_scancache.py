@@ -23,6 +23,7 @@ def pick():
 
 @pytest.fixture(autouse=True)
 def _cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SM120FORK_GATE_SCAN_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 

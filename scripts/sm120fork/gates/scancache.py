@@ -32,6 +32,10 @@ _SCANNER = Path(__file__).resolve().parent  # the gates package: scan, evaluator
 
 
 def directory() -> Path:
+    """`$SM120FORK_GATE_SCAN_CACHE` (the test suite's seal keeps the user's), else the
+    user's cache directory."""
+    if chosen := os.environ.get("SM120FORK_GATE_SCAN_CACHE"):
+        return Path(chosen)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "sglang-sm120" / "gate-scan"
 

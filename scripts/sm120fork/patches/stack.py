@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sm120fork.errors import FatalError
-from sm120fork.fsutil import copy_tree
 from sm120fork.patches.applier import Overlay, PatchResult, apply_patch
 from sm120fork.patches.normalform import DiffRenderer, render_patch
 from sm120fork.patches.patchfile import PatchFile, load_patch
@@ -48,9 +47,8 @@ def apply_stack(
     return overlay
 
 
-def write_applied(tree: Path, overlay: Overlay, out: Path) -> None:
-    """Copy `tree` to `out` (which must not exist) with the overlay's changes written."""
-    copy_tree(tree, out)
+def write_changes(overlay: Overlay, out: Path) -> None:
+    """The overlay's changes written over a copy of its tree at `out`."""
     for path, text in overlay.changes.items():
         target = out / path
         if text is None:
