@@ -43,7 +43,7 @@ import bench_git
 import bench_rebase_growth
 import bench_series
 import bench_upstream
-from bench_common import PROJECT, Row, describe, machine, table
+from bench_common import PROJECT, Row, describe, machine, row_from_json, table
 
 GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth")
 OUT = PROJECT / "build" / "bench"
@@ -127,6 +127,22 @@ def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], 
     return "\n".join(parts) + "\n"
 
 
+def tests_only() -> int:
+    """Measure the test suite and put it into the last results (their other rows stay)."""
+    old = json.loads((OUT / "results.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="sm120-bench-") as tmp:
+        row = bench_upstream.measure_tests(Path(tmp))
+    kept = [r for r in old["rows"] if r.get("what") != row.what]
+    old["rows"] = [*kept, row.to_json()]
+    rows = [row_from_json(r) for r in old["rows"]]
+    runs = f"Medians of {old['runs']} runs a side ({old['rebase_runs']} for the rebase)"
+    markdown = render(old["machine"], rows, old.get("growth", []), runs)
+    (OUT / "results.json").write_text(json.dumps(old, indent=2) + "\n")
+    (OUT / "results.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="timed runs a side (default 5)")
@@ -137,16 +153,23 @@ def main() -> int:
     )
     parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS))
     parser.add_argument("--with-tests", action="store_true", help="also time `nox -s tests`")
+    parser.add_argument(
+        "--tests-only",
+        action="store_true",
+        help="time `nox -s tests` alone, replacing that row of the last results",
+    )
     args = parser.parse_args()
+    if args.tests_only:
+        return tests_only()
     info = machine()
     started = time.perf_counter()
     previous = previous_tests()
     with tempfile.TemporaryDirectory(prefix="sm120-bench-") as tmp:
         rows, growth = measure(args, Path(tmp))
-    measured = time.perf_counter() - started
-    if args.with_tests:
-        rows.append(bench_upstream.measure_tests())
-    elif (tests := bench_upstream.tests_row(previous)) is not None:
+        measured = time.perf_counter() - started
+        if args.with_tests:
+            rows.append(bench_upstream.measure_tests(Path(tmp)))
+    if not args.with_tests and (tests := bench_upstream.tests_row(previous)) is not None:
         rows.append(tests)
     elapsed = time.perf_counter() - started
     info["load_1min_at_end"] = round(os.getloadavg()[0], 2)
