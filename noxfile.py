@@ -83,6 +83,7 @@ def _start_quick_tests(session: nox.Session, scratch: Path) -> tuple[subprocess.
     bin_dir = str(session.bin)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     argv = [f"{bin_dir}/pytest", "-q", f"--ignore={GATE_TESTS}", f"--basetemp={scratch / 'quick'}"]
+    argv.append("--durations=10")  # where the suite's time goes, at its end
     session.log(f"{' '.join(argv[1:])} *session.posargs (in the background, output at its end)")
     with log.open("wb") as out:
         process = subprocess.Popen(

@@ -129,9 +129,9 @@ def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], 
 
 def tests_only() -> int:
     """Measure the test suite and put it into the last results (their other rows stay)."""
-    old = json.loads((OUT / "results.json").read_text())
     with tempfile.TemporaryDirectory(prefix="sm120-bench-") as tmp:
         row = bench_upstream.measure_tests(Path(tmp))
+    old = json.loads((OUT / "results.json").read_text())  # read after: a run may end meanwhile
     kept = [r for r in old["rows"] if r.get("what") != row.what]
     old["rows"] = [*kept, row.to_json()]
     rows = [row_from_json(r) for r in old["rows"]]
