@@ -47,6 +47,7 @@ from bench_common import PROJECT, Row, describe, machine, row_from_json, table
 
 GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth")
 OUT = PROJECT / "build" / "bench"
+TESTS = OUT / "tests.json"
 
 
 def _say(message: str) -> None:
@@ -98,12 +99,13 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
 
 
 def previous_tests() -> dict[str, Any] | None:
+    """The last measured `nox -s tests` (build/bench/tests.json, which `--with-tests` and
+    `--tests-only` write and a run without them leaves alone)."""
     try:
-        old = json.loads((OUT / "results.json").read_text())
+        found: dict[str, Any] = json.loads(TESTS.read_text())
     except (OSError, ValueError):
         return None
-    found = [r for r in old.get("rows", []) if r.get("what") == "whole test suite"]
-    return found[0] if found else None
+    return found
 
 
 def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], runs: str) -> str:
@@ -127,11 +129,21 @@ def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], 
     return "\n".join(parts) + "\n"
 
 
+def _keep_tests(row: Row) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    TESTS.write_text(json.dumps(row.to_json(), indent=2) + "\n")
+
+
 def tests_only() -> int:
     """Measure the test suite and put it into the last results (their other rows stay)."""
     with tempfile.TemporaryDirectory(prefix="sm120-bench-") as tmp:
         row = bench_upstream.measure_tests(Path(tmp))
-    old = json.loads((OUT / "results.json").read_text())  # read after: a run may end meanwhile
+    _keep_tests(row)
+    try:  # read after measuring: a full run may have ended meanwhile
+        old = json.loads((OUT / "results.json").read_text())
+    except (OSError, ValueError):
+        print(f"`nox -s tests`: {row.ours_median:.0f} s ({row.note}); in {TESTS}")
+        return 0
     kept = [r for r in old["rows"] if r.get("what") != row.what]
     old["rows"] = [*kept, row.to_json()]
     rows = [row_from_json(r) for r in old["rows"]]
@@ -163,13 +175,15 @@ def main() -> int:
         return tests_only()
     info = machine()
     started = time.perf_counter()
-    previous = previous_tests()
     with tempfile.TemporaryDirectory(prefix="sm120-bench-") as tmp:
         rows, growth = measure(args, Path(tmp))
         measured = time.perf_counter() - started
         if args.with_tests:
             rows.append(bench_upstream.measure_tests(Path(tmp)))
-    if not args.with_tests and (tests := bench_upstream.tests_row(previous)) is not None:
+        if args.with_tests:
+            _keep_tests(rows[-1])
+    # Read at the end: a `--tests-only` run may have finished meanwhile.
+    if not args.with_tests and (tests := bench_upstream.tests_row(previous_tests())) is not None:
         rows.append(tests)
     elapsed = time.perf_counter() - started
     info["load_1min_at_end"] = round(os.getloadavg()[0], 2)

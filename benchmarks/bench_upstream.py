@@ -103,18 +103,19 @@ def project_wheel_repo(scratch: Path) -> Path:
 
 
 def tests_row(previous: dict[str, object] | None) -> Row | None:
-    """`nox -s tests` once (`--with-tests`), else the last measured value, marked."""
+    """The last measured `nox -s tests` (build/bench/tests.json), marked as such."""
     if previous is None:
         return None
     return Row(
         what="whole test suite",
-        ours="`nox -s tests` (session reused)",
+        ours=str(previous.get("ours", "`nox -s tests`")),
         baseline="-",
         ours_s=(float(str(previous["ours_median_s"])),),
         limit_s=TESTS_LIMIT_S,
         note=(
-            f"NOT measured in this run: the value of {previous.get('measured_at', 'earlier')}"
-            f" ({previous.get('outcome', 'outcome unknown')}); `-- --with-tests` measures it"
+            f"not measured in this run but beside it, {previous.get('measured_at', 'earlier')}"
+            f": {previous.get('note', previous.get('outcome', 'outcome unknown'))}; "
+            "`-- --with-tests` or `--tests-only` measures it"
         ),
         extra={
             "measured_at": previous.get("measured_at"),
@@ -157,7 +158,7 @@ def measure_tests(scratch: Path) -> Row:
         limit_s=TESTS_LIMIT_S,
         note=f"one run, {outcome}, load {load_before} -> {load_after}",
         extra={
-            "measured_at": datetime.date.today().isoformat(),
+            "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "measured_now": True,
             "exit_code": done.returncode,
             "outcome": outcome,
