@@ -126,9 +126,12 @@ class Zygote:
         return code
 
     def close(self) -> None:
+        """End the zygote (its stdin at EOF) and close both pipes and its log."""
         if self._process.stdin is not None:
             self._process.stdin.close()
         self._process.wait(timeout=60)
+        if self._process.stdout is not None:
+            self._process.stdout.close()
         self._log.close()
 
 
