@@ -5,8 +5,11 @@ The logic lives in the package; sessions only install and forward arguments.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nox
@@ -51,15 +54,50 @@ def gates(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The whole test suite: the tool's tests, then the architecture-gate tests."""
+    """The whole test suite: the tool's tests, and beside them the architecture-gate tests.
+
+    The tool's tests run in the background (their output is shown when they end)
+    while the gate tests run: either alone leaves one of the two cores mostly idle
+    (pytest is one process; the gate matrix waits on its children).
+    """
     _install_tool(session)
     session.install(*TEST_DEPS)
-    session.run("pytest", "-q", f"--ignore={GATE_TESTS}", *session.posargs)
-    _run_gate_tests(session, [])
-    # The expectation table again, against the fork's wheel as a user installs it (the
-    # harness's own tests and the intent rebase do not depend on the tree: not repeated).
-    wheel_site = str(_installed_fork_wheel(session))
-    _run_gate_tests(session, ["--gate-tree", f"installed-wheel={wheel_site}"], target=GATE_MATRIX)
+    scratch = Path(tempfile.mkdtemp(prefix="sm120fork-tests-"))
+    quick = _start_quick_tests(session, scratch)
+    try:
+        # The gate table on three trees in one matrix: pristine, patched, and the fork's
+        # wheel as a user installs it (one pool of children keeps both cores busy).
+        wheel_site = str(_installed_fork_wheel(session))
+        trees = ["pristine", "patched", f"installed-wheel={wheel_site}"]
+        tree_args = [arg for tree in trees for arg in ("--gate-tree", tree)]
+        _run_gate_tests(session, [*tree_args, f"--basetemp={scratch / 'gates'}"])
+    finally:
+        quick_failed = _finish_quick_tests(session, *quick)
+        shutil.rmtree(scratch, ignore_errors=True)
+    if quick_failed:
+        session.error("the tool's tests failed (their output is above)")
+
+
+def _start_quick_tests(session: nox.Session, scratch: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    log = scratch / "quick.log"
+    bin_dir = str(session.bin)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    argv = [f"{bin_dir}/pytest", "-q", f"--ignore={GATE_TESTS}", f"--basetemp={scratch / 'quick'}"]
+    argv.append("--durations=10")  # where the suite's time goes, at its end
+    session.log(f"{' '.join(argv[1:])} *session.posargs (in the background, output at its end)")
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*argv, *session.posargs], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    return process, log
+
+
+def _finish_quick_tests(session: nox.Session, process: subprocess.Popen[bytes], log: Path) -> bool:
+    """Wait for the tool's tests and show their output; True when they failed."""
+    code = process.wait()
+    session.log(f"the tool's tests (pytest -q --ignore={GATE_TESTS}) exited {code}:")
+    print(log.read_text(errors="replace"), end="", flush=True)
+    return code != 0
 
 
 @nox.session(python=PYTHON)

@@ -4,14 +4,17 @@ the same real upstream inputs, as ratios of medians from one run.
     nox -s bench [-- --runs 5 --rebase-runs 3 --with-tests --only apply gates]
     PYTHONPATH=scripts python benchmarks/bench.py ...   (needs GNU quilt, `wheel`)
 
-Rows (see bench_series.py and bench_upstream.py for what each side does):
-apply the series (vs `cp -a` + `quilt push -a`), carry it 0.5.9 -> 0.5.10 (vs
-`git am -3` by hand), the gate inventory of 0.5.23 (vs `grep -rn`), the wheel
+Rows (see bench_series.py, bench_upstream.py, bench_gates.py and
+bench_rebase_growth.py for what each side does): apply the series (vs `cp -a` +
+`quilt push -a`), carry it 0.5.9 -> 0.5.10 (vs `git am -3` by hand), the gate
+inventory of 0.5.23 seen before (vs `grep -rn`) and never seen (vs the
+`ast.parse` floor), check of a 1000-patch synthetic series and its cost a patch, the wheel
 of 0.5.9 and 0.5.23 (vs `wheel unpack` + `wheel pack`), the git boundary
 (GitPython and one `cat-file --batch`, vs the subprocess-a-command boundary before
 #18; see bench_git.py), and the test suite
 (only with --with-tests; otherwise the last measured value, marked so). Then
-how apply and check grow with synthetic series of --sizes patches.
+how apply, check and the rebase (onto a synthetic next release) grow with
+synthetic series of --sizes patches (check also at --check-sizes).
 
 Every side runs as fresh processes, ours and the baseline interleaved, after
 one untimed warm-up each (page cache, bytecode). Set-up (downloads through pip
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import tempfile
 import time
@@ -34,13 +38,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_gates
 import bench_git
+import bench_rebase_growth
 import bench_series
 import bench_upstream
-from bench_common import PROJECT, Row, describe, machine, table
+from bench_common import PROJECT, Row, describe, machine, row_from_json, table
 
-GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth")
+GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth")
 OUT = PROJECT / "build" / "bench"
+TESTS = OUT / "tests.json"
 
 
 def _say(message: str) -> None:
@@ -68,7 +75,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
         rows.append(bench_upstream.rebase_row(args.rebase_runs, sub("rebase")))
     if "gates" in chosen and newest is not None:
         _say(f"gates: sglang {bench_upstream.NEWEST}, ours vs grep")
-        rows.append(bench_upstream.gates_row(args.runs, newest, sub("gates")))
+        rows.extend(bench_gates.rows(args.runs, newest, sub("gates"), bench_upstream.NEWEST))
     if "wheel" in chosen and newest is not None:
         pinned = bench_upstream.project_wheel_repo(sub("wheel-pinned"))
         for repo, label in ((pinned, "the pinned release"), (newest, bench_upstream.NEWEST)):
@@ -79,23 +86,33 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
         rows.extend(bench_git.rows(args.runs))
     if "growth" in chosen:
         _say(f"growth: synthetic series of {args.sizes} patches")
-        growth = bench_series.growth(args.runs, args.sizes, sub("growth"))
+        growth = bench_series.growth(args.runs, args.sizes, sub("growth"), args.check_sizes)
+        rows.extend(bench_series.check_rows(growth))
+    if "rebase-growth" in chosen:
+        _say(f"rebase growth: synthetic series of {args.sizes} patches, one release")
+        carried = bench_rebase_growth.growth(args.rebase_runs, args.sizes, sub("rebase-growth"))
+        by_size = {r["patches"]: r for r in growth}
+        for result in carried:
+            by_size.setdefault(result["patches"], {"patches": result["patches"]}).update(result)
+        growth = sorted(by_size.values(), key=lambda r: r["patches"])
     return rows, growth
 
 
 def previous_tests() -> dict[str, Any] | None:
+    """The last measured `nox -s tests` (build/bench/tests.json, which `--with-tests` and
+    `--tests-only` write and a run without them leaves alone)."""
     try:
-        old = json.loads((OUT / "results.json").read_text())
+        found: dict[str, Any] = json.loads(TESTS.read_text())
     except (OSError, ValueError):
         return None
-    found = [r for r in old.get("rows", []) if r.get("what") == "whole test suite"]
-    return found[0] if found else None
+    return found
 
 
 def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], runs: str) -> str:
     parts = [
         f"Measured {datetime.date.today()} on {describe(info)}; load average "
-        f"{info['load_1min_at_start']} at the start. {runs}; ratio = our median / "
+        f"{info['load_1min_at_start']} at the start, {info.get('load_1min_at_end', '-')} at "
+        f"the end (1 min). {runs}; ratio = our median / "
         "the baseline's median, both sides as fresh processes, interleaved.",
         "",
         table(rows),
@@ -103,12 +120,39 @@ def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], 
     if growth:
         parts += [
             "",
-            "How apply and check grow (synthetic series: one-line patches on different "
-            "real files of vendor/sglang, normal form):",
+            "How apply, check and the rebase grow (synthetic series: one-line patches on "
+            "different real files of vendor/sglang, normal form; the rebase carries them "
+            "to a synthetic next release, bench_rebase_growth.py):",
             "",
             bench_series.growth_table(growth),
         ]
     return "\n".join(parts) + "\n"
+
+
+def _keep_tests(row: Row) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    TESTS.write_text(json.dumps(row.to_json(), indent=2) + "\n")
+
+
+def tests_only() -> int:
+    """Measure the test suite and put it into the last results (their other rows stay)."""
+    with tempfile.TemporaryDirectory(prefix="sm120-bench-") as tmp:
+        row = bench_upstream.measure_tests(Path(tmp))
+    _keep_tests(row)
+    try:  # read after measuring: a full run may have ended meanwhile
+        old = json.loads((OUT / "results.json").read_text())
+    except (OSError, ValueError):
+        print(f"`nox -s tests`: {row.ours_median:.0f} s ({row.note}); in {TESTS}")
+        return 0
+    kept = [r for r in old["rows"] if r.get("what") != row.what]
+    old["rows"] = [*kept, row.to_json()]
+    rows = [row_from_json(r) for r in old["rows"]]
+    runs = f"Medians of {old['runs']} runs a side ({old['rebase_runs']} for the rebase)"
+    markdown = render(old["machine"], rows, old.get("growth", []), runs)
+    (OUT / "results.json").write_text(json.dumps(old, indent=2) + "\n")
+    (OUT / "results.md").write_text(markdown)
+    print(markdown)
+    return 0
 
 
 def main() -> int:
@@ -116,20 +160,33 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="timed runs a side (default 5)")
     parser.add_argument("--rebase-runs", type=int, default=3, help="for the rebase (default 3)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[10, 50, 200])
+    parser.add_argument(
+        "--check-sizes", type=int, nargs="*", default=[1000], help="sizes for check alone"
+    )
     parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS))
     parser.add_argument("--with-tests", action="store_true", help="also time `nox -s tests`")
+    parser.add_argument(
+        "--tests-only",
+        action="store_true",
+        help="time `nox -s tests` alone, replacing that row of the last results",
+    )
     args = parser.parse_args()
+    if args.tests_only:
+        return tests_only()
     info = machine()
     started = time.perf_counter()
-    previous = previous_tests()
     with tempfile.TemporaryDirectory(prefix="sm120-bench-") as tmp:
         rows, growth = measure(args, Path(tmp))
-    measured = time.perf_counter() - started
-    if args.with_tests:
-        rows.append(bench_upstream.measure_tests())
-    elif (tests := bench_upstream.tests_row(previous)) is not None:
+        measured = time.perf_counter() - started
+        if args.with_tests:
+            rows.append(bench_upstream.measure_tests(Path(tmp)))
+        if args.with_tests:
+            _keep_tests(rows[-1])
+    # Read at the end: a `--tests-only` run may have finished meanwhile.
+    if not args.with_tests and (tests := bench_upstream.tests_row(previous_tests())) is not None:
         rows.append(tests)
     elapsed = time.perf_counter() - started
+    info["load_1min_at_end"] = round(os.getloadavg()[0], 2)
     runs = f"Medians of {args.runs} runs a side ({args.rebase_runs} for the rebase)"
     markdown = render(info, rows, growth, runs)
     results = {

@@ -153,11 +153,39 @@ class Row:
             "ratio": _round(self.ratio),
             "target": self.target,
             "met": self.met,
+            "target_ratio": self.target_ratio,
+            "limit_s": self.limit_s,
             "ours_runs_s": [round(t, 4) for t in self.ours_s],
             "baseline_runs_s": [round(t, 4) for t in self.baseline_s],
             "note": self.note,
             **self.extra,
         }
+
+
+def row_from_json(data: dict[str, Any]) -> Row:
+    """A row of results.json read back (its runs, targets and extra fields)."""
+    known = {"what", "ours", "baseline", "note", "target_ratio", "limit_s"}
+    derived = {"ours_median_s", "baseline_median_s", "ratio", "target", "met"}
+    runs = {"ours_runs_s", "baseline_runs_s"}
+    targets = _parse_target(str(data.get("target", "")))
+    return Row(
+        **{**targets, **{key: data[key] for key in known if data.get(key) is not None}},
+        ours_s=tuple(data["ours_runs_s"]),
+        baseline_s=tuple(data.get("baseline_runs_s", ())),
+        extra={k: v for k, v in data.items() if k not in known | derived | runs},
+    )
+
+
+def _parse_target(text: str) -> dict[str, float]:
+    """`Row.target`'s words read back ("<= 1.5x and < 5 s"), for results written without
+    the numbers themselves."""
+    found: dict[str, float] = {}
+    for part in text.split(" and "):
+        if part.startswith("<= ") and part.endswith("x"):
+            found["target_ratio"] = float(part[3:-1])
+        elif part.startswith("< ") and part.endswith(" s"):
+            found["limit_s"] = float(part[2:-2])
+    return found
 
 
 def _round(value: float | None) -> float | None:

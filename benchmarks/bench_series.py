@@ -27,6 +27,8 @@ from typing import Any
 from bench_common import PROJECT, Row, compare, fresh, repeat, run, timed, tool, tool_env
 
 VENDOR = PROJECT / "vendor"
+APPLY_TARGET = 1.0  # ours / `cp -a` + `quilt push -a`, at every size
+CHECK_PER_PATCH_S = 0.005
 QUILT = ["quilt", "--quiltrc=-", "push", "-a", "-q"]
 HEADER = """\
 From: Bench Maintainer <bench@example.com>
@@ -73,52 +75,99 @@ def apply_row(runs: int, scratch: Path) -> Row:
         baseline="`cp -a vendor/sglang DIR` + `quilt push -a`",
         ours_s=tuple(ours),
         baseline_s=tuple(base),
-        target_ratio=1.5,
+        target_ratio=APPLY_TARGET,
         note="copy counted on both sides",
     )
 
 
-def growth(runs: int, sizes: Sequence[int], scratch: Path) -> list[dict[str, Any]]:
-    """Per N: apply (ours vs quilt, interleaved) and check (ours), medians of `runs`."""
+def growth(
+    runs: int, sizes: Sequence[int], scratch: Path, check_only: Sequence[int] = ()
+) -> list[dict[str, Any]]:
+    """Per N: apply (ours vs quilt, interleaved) and check (ours), medians of `runs`;
+    for the sizes in `check_only`, check alone."""
     results = []
-    for size in sizes:
+    for size in [*sizes, *check_only]:
         repo = synthetic_repo(scratch / f"series-{size}", size)
-        ours, base = compare(
-            runs,
-            partial(apply_ours, repo, scratch / "ours"),
-            partial(apply_quilt, repo, scratch / "quilt"),
-        )
         check = repeat(runs, partial(check_ours, repo))
-        apply = Row("", "", "", tuple(ours), tuple(base))
         checked = Row("", "", "", tuple(check))
-        results.append(
-            {
-                "patches": size,
+        result: dict[str, Any] = {
+            "patches": size,
+            "check_ours_median_s": round(checked.ours_median, 4),
+            "check_ours_runs_s": [round(t, 4) for t in check],
+        }
+        if size in sizes:
+            ours, base = compare(
+                runs,
+                partial(apply_ours, repo, scratch / "ours"),
+                partial(apply_quilt, repo, scratch / "quilt"),
+            )
+            apply = Row("", "", "", tuple(ours), tuple(base), target_ratio=APPLY_TARGET)
+            result |= {
                 "apply_ours_median_s": round(apply.ours_median, 4),
                 "apply_quilt_median_s": round(apply.baseline_median or 0.0, 4),
                 "apply_ratio": round(apply.ratio or 0.0, 4),
-                "check_ours_median_s": round(checked.ours_median, 4),
+                "apply_target": apply.target,
+                "apply_met": apply.met,
                 "apply_ours_runs_s": [round(t, 4) for t in ours],
                 "apply_quilt_runs_s": [round(t, 4) for t in base],
-                "check_ours_runs_s": [round(t, 4) for t in check],
             }
-        )
+        results.append(result)
     return results
+
+
+def check_rows(results: Sequence[dict[str, Any]]) -> list[Row]:
+    """The largest check, and the cost of a patch (the slope from the smallest)."""
+    if len(results) < 2:
+        return []
+    by_size = sorted(results, key=lambda r: r["patches"])
+    small, large = by_size[0], by_size[-1]
+    slope = (large["check_ours_median_s"] - small["check_ours_median_s"]) / (
+        large["patches"] - small["patches"]
+    )
+    return [
+        Row(
+            what=f"check a synthetic {large['patches']}-patch series",
+            ours="`sm120fork check`",
+            baseline="-",
+            ours_s=tuple(large["check_ours_runs_s"]),
+            limit_s=10.0,
+        ),
+        Row(
+            what=f"check, cost of one patch (slope {small['patches']} -> {large['patches']})",
+            ours="`sm120fork check`",
+            baseline="-",
+            ours_s=(max(slope, 0.0),),
+            limit_s=CHECK_PER_PATCH_S,
+            note=f"{slope * 1000:.2f} ms a patch; target 5 ms",
+        ),
+    ]
 
 
 def growth_table(results: Sequence[dict[str, Any]]) -> str:
     lines = [
-        "| patches | apply ours median s | `cp -a` + `quilt push -a` median s | ratio "
-        "| check ours median s |",
-        "|---|---|---|---|---|",
+        "| patches | apply ours s | `cp -a` + `quilt push -a` s | ratio | <= 1.0x met "
+        "| check ours s | rebase ours s | `git am -3` by hand s | ratio | <= 1.5x met |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(r: dict[str, Any], key: str, form: str) -> str:
+        value = r.get(key)
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "**no**"
+        return format(value, form)
+
     for r in results:
         lines.append(
-            f"| {r['patches']} | {r['apply_ours_median_s']:.2f} | "
-            f"{r['apply_quilt_median_s']:.2f} | {r['apply_ratio']:.2f}x | "
-            f"{r['check_ours_median_s']:.2f} |"
+            f"| {r['patches']} | {cell(r, 'apply_ours_median_s', '.2f')} | "
+            f"{cell(r, 'apply_quilt_median_s', '.2f')} | {cell(r, 'apply_ratio', '.2f')}x | "
+            f"{cell(r, 'apply_met', '')} | {cell(r, 'check_ours_median_s', '.2f')} | "
+            f"{cell(r, 'rebase_ours_median_s', '.2f')} | "
+            f"{cell(r, 'rebase_git_am_median_s', '.2f')} | {cell(r, 'rebase_ratio', '.2f')}x | "
+            f"{cell(r, 'rebase_met', '')} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines).replace("| -x |", "| - |")
 
 
 def synthetic_repo(root: Path, size: int) -> Path:

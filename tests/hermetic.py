@@ -11,7 +11,9 @@ test modules make at import time, before any fixture runs, are sealed as well.
 
 pip's own configuration is kept (copied into the new HOME) and so is its cache:
 which package index to use is this machine's business, as for the tool itself,
-and the network tests would otherwise download every wheel again.
+and the network tests would otherwise download every wheel again. So is the
+gate-scan cache (`SM120FORK_GATE_SCAN_CACHE`): its entries are named by the
+scanned files' contents and the scanner's own source, so none can be stale.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _PIP_CONFIGS = (".config/pip/pip.conf", ".pip/pip.conf")
 class Seal:
     root: Path  # a fresh directory holding the HOME and the two empty config files
     pip_cache: str | None  # the user's pip cache, unless pip is told where already
+    scan_cache: str  # the user's gate-scan cache: keyed by content and scanner source
 
     @classmethod
     def create(cls, environ: Mapping[str, str]) -> Seal:
@@ -55,7 +58,10 @@ class Seal:
                 shutil.copyfile(found, home / relative)
         cache = Path(environ.get("XDG_CACHE_HOME") or user_home / ".cache") / "pip"
         told = "PIP_CACHE_DIR" in environ or "PIP_NO_CACHE_DIR" in environ
-        return cls(root, None if told else str(cache))
+        scans = environ.get("SM120FORK_GATE_SCAN_CACHE") or str(
+            cache.parent / "sglang-sm120" / "gate-scan"
+        )
+        return cls(root, None if told else str(cache), scans)
 
     def variables(self) -> dict[str, str]:
         home = self.root / "home"
@@ -75,6 +81,7 @@ class Seal:
             "GIT_CONFIG_KEY_0": "init.defaultBranch",
             "GIT_CONFIG_VALUE_0": "main",
             **({"PIP_CACHE_DIR": self.pip_cache} if self.pip_cache else {}),
+            "SM120FORK_GATE_SCAN_CACHE": self.scan_cache,
         }
 
     def env(self, base: Mapping[str, str]) -> dict[str, str]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -89,3 +91,39 @@ def swap_back(new: Path, target: Path, old: Path, existed: bool) -> None:
     elif not existed and not new.exists():
         remove(target)  # what the swap put where nothing was
     remove(new)
+
+
+class TreeCopy:
+    """`source` copied to `dest` (which must not exist), links kept as links, in the
+    background: the caller works meanwhile, then `wait()`s (or `cancel()`s).
+
+    GNU `cp -a --reflink=auto` copies in the kernel (a reflink where the file
+    system shares blocks, else copy_file_range): about twice as fast as
+    `shutil.copytree`'s Python loop over 5700 files. Elsewhere, that loop, in `wait`.
+    """
+
+    def __init__(self, source: Path, dest: Path) -> None:
+        self.source, self.dest = source, dest
+        cp = shutil.which("cp")
+        self._process: subprocess.Popen[bytes] | None = None
+        if cp is not None and sys.platform.startswith("linux"):
+            argv = [cp, "-a", "--reflink=auto", "--", str(source), str(dest)]
+            self._process = subprocess.Popen(
+                argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+
+    def wait(self) -> None:
+        if self._process is not None and self._process.wait() == 0:
+            return
+        shutil.rmtree(self.dest, ignore_errors=True)  # not GNU cp, or it failed: the slow way
+        shutil.copytree(self.source, self.dest, symlinks=True)
+
+    def cancel(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+
+def copy_tree(source: Path, dest: Path) -> None:
+    """`source` copied to `dest` (which must not exist), links kept (see `TreeCopy`)."""
+    TreeCopy(source, dest).wait()

@@ -24,11 +24,12 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-
-import git
-from git.exc import GitCommandNotFound
+from typing import TYPE_CHECKING
 
 from sm120fork.errors import FatalError
+
+if TYPE_CHECKING:  # GitPython is imported by the first ObjectReader (~0.2 s a start)
+    import git
 
 _HERMETIC_ENV = {
     "GIT_CONFIG_NOSYSTEM": "1",
@@ -103,6 +104,8 @@ def describe_failure(args: Sequence[str], result: subprocess.CompletedProcess[by
 def _engine(cwd: Path) -> git.Git:
     if not cwd.is_dir():
         raise FatalError(f"{cwd} is not a directory; git cannot run there")
+    import git
+
     engine = git.Git(cwd)
     engine.update_environment(**_HERMETIC_ENV, GIT_CONFIG_GLOBAL=os.devnull)
     return engine
@@ -123,6 +126,8 @@ class ObjectReader:
 
     def read(self, name: str) -> bytes | None:
         """The object `name` (`<commit>:<path>`, an object id) is, None when it names none."""
+        from git.exc import GitCommandNotFound
+
         try:
             _, kind, _, data = self._engine.get_object_data(name)
         except ValueError:  # git answered "<name> missing" (or ambiguous)

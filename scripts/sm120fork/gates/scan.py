@@ -15,12 +15,13 @@ import multiprocessing
 import os
 import traceback
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from sm120fork.errors import FatalError
-from sm120fork.gates import passes
+from sm120fork.gates import passes, scancache
 from sm120fork.gates.analyze import ModuleResult, analyse_module, parse_module
 from sm120fork.gates.evaluator import Context
 from sm120fork.gates.model import Gate, Inventory, ScanProblem, assign_occurrences
@@ -74,8 +75,23 @@ def scan_tree(
     root: Path, *, workers: int | None = None, files: list[tuple[str, str, int]] | None = None
 ) -> Inventory:
     """Every architecture gate of the sglang tree under `root` (unreviewed); `files`, as
-    `list_files` gives them, scans those instead (a tree with some files swapped)."""
+    `list_files` gives them, scans those instead (a tree with some files swapped).
+    A tree whose files were scanned before is answered from `scancache`."""
     files = list_files(package_dir(root)) if files is None else files
+    try:
+        key: str | None = scancache.tree_key(files)
+    except OSError:  # an unreadable file: the scan reports it, nothing is kept
+        key = None
+    cached = scancache.load(key) if key else None
+    if cached is not None:
+        return replace(cached, root=str(root))
+    inventory = _scan_files(root, files, workers)
+    if key:
+        scancache.store(key, inventory)
+    return inventory
+
+
+def _scan_files(root: Path, files: list[tuple[str, str, int]], workers: int | None) -> Inventory:
     modules = frozenset(module_name(rel)[0] for rel, _, _ in files)
     count = workers if workers is not None else default_workers()
     count = max(1, min(count, len(files) // 50 or 1))

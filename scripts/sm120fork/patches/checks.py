@@ -15,6 +15,7 @@ from sm120fork.intent.model import Intent, load_intents
 from sm120fork.intent.reapply import reapply
 from sm120fork.patches import dep3
 from sm120fork.patches.applier import ApplyError, Overlay, apply_patch
+from sm120fork.patches.gitobjects import Files
 from sm120fork.patches.normalform import DiffRenderer, render_patch
 from sm120fork.patches.patchfile import PatchFile, PatchFileError, load_patch
 from sm120fork.patches.series import Series, duplicate_entries, read_series
@@ -99,46 +100,59 @@ def _patch_findings(
     tree: Path, patches: list[PatchFile], intents: Mapping[str, Intent]
 ) -> list[Finding]:
     """Exact application in order, and normal form against the tree below each patch."""
-    findings: list[Finding] = []
+    # Findings per patch, in series order; the diffs of all applied patches are
+    # rendered together afterwards (one git process for the series).
+    per_patch: list[list[Finding]] = []
+    applied: list[tuple[int, PatchFile, Files, Files]] = []
     overlay = Overlay(tree)
+    for patch in patches:
+        found: list[Finding] = []
+        per_patch.append(found)
+        intent = intents.get(patch.name)
+        recipe = reapply(intent, overlay.read, patch.paths) if intent else None
+        before = {path: overlay.read(path) for path in patch.paths}
+        try:
+            apply_patch(overlay, patch)
+        except ApplyError as error:
+            line = _patch_line(patch, error)
+            found.append(
+                Finding(f"patches/{patch.name}", line, f"does not apply exactly: {error.message}")
+            )
+            continue
+        after = {path: overlay.read(path) for path in patch.paths}
+        if recipe is not None and recipe.changes != after:
+            found.append(
+                Finding(
+                    f"patches/{INTENTS_FILE}",
+                    1,
+                    f"the intent of {patch.name} does not reproduce the patch "
+                    f"({recipe.status}: {recipe.detail}); fix the recipe or the patch",
+                )
+            )
+        applied.append((len(per_patch) - 1, patch, before, after))
     with DiffRenderer() as renderer:
-        for patch in patches:
-            where = f"patches/{patch.name}"
-            intent = intents.get(patch.name)
-            recipe = reapply(intent, overlay.read, patch.paths) if intent else None
-            before = {path: overlay.read(path) for path in patch.paths}
-            try:
-                apply_patch(overlay, patch)
-            except ApplyError as error:
-                line = _patch_line(patch, error)
-                findings.append(Finding(where, line, f"does not apply exactly: {error.message}"))
-                continue
-            after = {path: overlay.read(path) for path in patch.paths}
-            if recipe is not None and recipe.changes != after:
-                findings.append(
-                    Finding(
-                        f"patches/{INTENTS_FILE}",
-                        1,
-                        f"the intent of {patch.name} does not reproduce the patch "
-                        f"({recipe.status}: {recipe.detail}); fix the recipe or the patch",
-                    )
-                )
-            diff = renderer.diff(before, after)
-            if not diff:
-                findings.append(Finding(where, 1, "changes nothing on the tree below it"))
-                continue
-            normal = render_patch(patch.header, diff)
-            if normal != patch.raw:
-                line = _first_difference(patch.raw, normal)
-                findings.append(
-                    Finding(
-                        where,
-                        line,
-                        "is not in normal form (a refresh would rewrite it from this line); "
-                        "run `sm120fork refresh`",
-                    )
-                )
-    return findings
+        diffs = renderer.diff_many([(before, after) for _, _, before, after in applied])
+    for (index, patch, _, _), diff in zip(applied, diffs, strict=True):
+        per_patch[index].extend(_normal_form_findings(patch, diff))
+    return [finding for found in per_patch for finding in found]
+
+
+def _normal_form_findings(patch: PatchFile, diff: str) -> list[Finding]:
+    where = f"patches/{patch.name}"
+    if not diff:
+        return [Finding(where, 1, "changes nothing on the tree below it")]
+    normal = render_patch(patch.header, diff)
+    if normal == patch.raw:
+        return []
+    line = _first_difference(patch.raw, normal)
+    return [
+        Finding(
+            where,
+            line,
+            "is not in normal form (a refresh would rewrite it from this line); "
+            "run `sm120fork refresh`",
+        )
+    ]
 
 
 def _patch_line(patch: PatchFile, error: ApplyError) -> int:

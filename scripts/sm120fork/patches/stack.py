@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from sm120fork.errors import FatalError
-from sm120fork.patches.applier import Overlay, PatchResult, apply_patch, write_changes
+from sm120fork.patches.applier import Overlay, PatchResult, apply_patch
 from sm120fork.patches.normalform import DiffRenderer, render_patch
 from sm120fork.patches.patchfile import PatchFile, load_patch
 from sm120fork.patches.series import Series, duplicate_entries, read_series
@@ -48,12 +47,6 @@ def apply_stack(
     return overlay
 
 
-def write_applied(tree: Path, overlay: Overlay, out: Path) -> None:
-    """Copy `tree` to `out` (which must not exist) with the overlay's changes written."""
-    shutil.copytree(tree, out, symlinks=True)
-    write_changes(out, overlay.changes)
-
-
 @dataclass(frozen=True)
 class Refreshed:
     patch: PatchFile
@@ -69,12 +62,16 @@ class Refreshed:
 def refresh_stack(
     tree: Path, patches: tuple[PatchFile, ...], *, allow_offset: bool = False
 ) -> Iterator[Refreshed]:
-    """Apply in order and yield each patch in normal form against the tree below it."""
+    """Apply in order and yield each patch in normal form against the tree below it
+    (every diff rendered at once, after the last patch applied)."""
     overlay = Overlay(tree)
+    applied = []
+    for patch in patches:
+        before = {path: overlay.read(path) for path in patch.paths}
+        result = apply_patch(overlay, patch, allow_offset=allow_offset)
+        after = {path: overlay.read(path) for path in patch.paths}
+        applied.append((patch, result, before, after))
     with DiffRenderer() as renderer:
-        for patch in patches:
-            before = {path: overlay.read(path) for path in patch.paths}
-            result = apply_patch(overlay, patch, allow_offset=allow_offset)
-            after = {path: overlay.read(path) for path in patch.paths}
-            diff = renderer.diff(before, after)
-            yield Refreshed(patch, result, render_patch(patch.header, diff), empty=not diff)
+        diffs = renderer.diff_many([(before, after) for _, _, before, after in applied])
+    for (patch, result, _, _), diff in zip(applied, diffs, strict=True):
+        yield Refreshed(patch, result, render_patch(patch.header, diff), empty=not diff)

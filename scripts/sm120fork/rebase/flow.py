@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK, FatalError
+from sm120fork.gates import warm
 from sm120fork.gates.diff import GateDiff
 from sm120fork.patches.stack import load_stack
 from sm120fork.paths import RepoPaths
@@ -146,15 +147,21 @@ def abort(paths: RepoPaths) -> int:
 def _drive(workspace: Workspace, state: RebaseState) -> int:
     if state.phase == "fetch":
         state = phases.fetch(workspace, state)
-    if state.phase == "prepare":
-        state = phases.prepare(workspace, state)
-    if state.phase == "carry":
-        state = phases.carry_all(workspace, state)
-    if state.phase == "conflict":
-        return _stopped(workspace, state)
-    if workspace.dry_run:
-        return _predicted(workspace, state)
-    return landing.land(workspace, state)
+    if state.gates is None:  # scan both ends while the patches are carried (gates/warm.py)
+        ends = [workspace.paths.upstream_tree, *(workspace.tree(t.version) for t in state.targets)]
+        warm.start(ends)
+    try:
+        if state.phase == "prepare":
+            state = phases.prepare(workspace, state)
+        if state.phase == "carry":
+            state = phases.carry_all(workspace, state)
+        if state.phase == "conflict":
+            return _stopped(workspace, state)
+        if workspace.dry_run:
+            return _predicted(workspace, state)
+        return landing.land(workspace, state)
+    finally:
+        warm.stop()  # stopped before the comparison (a conflict, an error): no scan needed
 
 
 def _predicted(workspace: Workspace, state: RebaseState) -> int:

@@ -30,7 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sm120fork.errors import EXIT_OK, FatalError
-from sm120fork.fsutil import remove, swap_back, swap_in
+from sm120fork.fsutil import copy_tree, remove, swap_back, swap_in
 from sm120fork.gates.diff import GateDiff
 from sm120fork.patches.lines import split_lines
 from sm120fork.patches.normalform import render_patch
@@ -153,7 +153,7 @@ def writers(
     today = lock.today()
 
     def tree(dest: Path) -> None:
-        shutil.copytree(new_tree, dest, symlinks=True)
+        copy_tree(new_tree, dest)
 
     def lock_file(dest: Path) -> None:
         dest.write_bytes(state.final.lock_text.encode("utf-8"))

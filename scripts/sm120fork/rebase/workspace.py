@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from sm120fork.gates import warm
 from sm120fork.gates.diff import GateDiff
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gatefindings, targets
@@ -60,6 +61,7 @@ class Workspace:
         if state.gates is not None:
             return state.gates
         say("comparing the architecture gates of the two releases")
+        warm.wait()
         policy = self.paths.patches_dir / "gates.toml"
         return gatefindings.findings(
             policy, self.paths.upstream_tree, self.tree(state.final.version)
@@ -73,6 +75,7 @@ class Workspace:
         trees = [(state.from_version, self.paths.upstream_tree)]
         trees += [(target.version, self.tree(target.version)) for target in state.targets]
         policy = self.paths.patches_dir / "gates.toml"
+        warm.wait()
         found, overall = gatefindings.walk_findings(policy, trees, say)
         gates = state.gates if state.gates is not None else overall
         return self.save(replace(state, release_gates=found, gates=gates))

@@ -1,4 +1,5 @@
-"""Run the architecture matrix: one fresh child interpreter per (tree, architecture).
+"""Run the architecture matrix: one child interpreter per (tree, architecture), each a
+fork of a zygote that has imported torch (zygote.py; SM120_GATE_ZYGOTE=0: fresh ones).
 
 Standard library only; torch is imported by the children (child.py), never here.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -18,6 +20,8 @@ from typing import Any
 
 from . import fakes
 from .spec import CHILD_SCRIPT, Arch, Scenario
+
+ZYGOTE_SCRIPT = CHILD_SCRIPT.with_name("zygote.py")
 
 CHILD_TIMEOUT_S = 600
 HARNESS_FAILURE_EXIT = 3  # child.HarnessFailure: resolution or fakes not seen to act
@@ -95,8 +99,44 @@ def child_environ(arch: Arch, stubs: Fakes, scratch: Path) -> dict[str, str]:
     return env
 
 
+class Zygote:
+    """One `zygote.py` (torch imported once) serving one worker thread's children in turn."""
+
+    def __init__(self, python: str, env: Mapping[str, str], log: Path) -> None:
+        self._log = log.open("w")
+        self._process = subprocess.Popen(
+            [python, str(ZYGOTE_SCRIPT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=dict(env),
+            text=True,
+        )
+
+    def run(self, argv: list[str], env: Mapping[str, str], cwd: Path, log: Path) -> int | None:
+        """The child's exit code; None when it ran past CHILD_TIMEOUT_S."""
+        job = {"argv": argv, "env": dict(env), "cwd": str(cwd), "log": str(log)}
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps({**job, "timeout": CHILD_TIMEOUT_S}) + "\n")
+        self._process.stdin.flush()
+        answer = self._process.stdout.readline()
+        if not answer:
+            raise HarnessError(f"the gate zygote died; its log: {self._log.name}")
+        code: int | None = json.loads(answer)["exit"]
+        return code
+
+    def close(self) -> None:
+        """End the zygote (its stdin at EOF) and close both pipes and its log."""
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.wait(timeout=60)
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+        self._log.close()
+
+
 def _run_one(
-    python: str,
+    start: Callable[[list[str], Mapping[str, str], Path, Path], int | None],
     tree: Path,
     arch: Arch,
     scenarios: Sequence[Scenario],
@@ -118,30 +158,43 @@ def _run_one(
         )
     )
     started = time.monotonic()
-    with open(log, "w") as out:
-        try:
-            proc = subprocess.run(
-                [python, str(CHILD_SCRIPT), str(request), str(result)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=child_environ(arch, stubs, scratch),
-                cwd=scratch,
-                timeout=CHILD_TIMEOUT_S,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise HarnessError(f"{arch.name} on {tree}: timed out; log {log}") from exc
+    code = start([str(request), str(result)], child_environ(arch, stubs, scratch), scratch, log)
+    if code is None:
+        raise HarnessError(f"{arch.name} on {tree}: timed out; log {log}")
     wall = time.monotonic() - started
-    if proc.returncode == HARNESS_FAILURE_EXIT:
+    if code == HARNESS_FAILURE_EXIT:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:])
         raise HarnessError(f"{arch.name} on {tree}: the harness cannot observe it:\n{tail}")
-    if proc.returncode != 0 or not result.is_file():
+    if code != 0 or not result.is_file():
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        raise HarnessError(
-            f"{arch.name} on {tree}: child exited {proc.returncode}; log {log}:\n{tail}"
-        )
+        raise HarnessError(f"{arch.name} on {tree}: child exited {code}; log {log}:\n{tail}")
     data = json.loads(result.read_text())
     return ArchRun(arch.name, data["scenarios"], data["meta"], wall, log)
+
+
+def _fresh_process(python: str) -> Callable[[list[str], Mapping[str, str], Path, Path], int | None]:
+    """`python child.py ...` as its own process (SM120_GATE_ZYGOTE=0)."""
+
+    def start(argv: list[str], env: Mapping[str, str], cwd: Path, log: Path) -> int | None:
+        with open(log, "w") as out:
+            try:
+                return subprocess.run(
+                    [python, str(CHILD_SCRIPT), *argv],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=dict(env),
+                    cwd=cwd,
+                    timeout=CHILD_TIMEOUT_S,
+                    check=False,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                return None
+
+    return start
+
+
+def _ordered(trees: Mapping[str, Path], archs: Sequence[Arch]) -> list[tuple[str, Path, Arch]]:
+    return [(label, tree, arch) for label, tree in trees.items() for arch in archs]
 
 
 def run_matrices(
@@ -159,20 +212,44 @@ def run_matrices(
     `on_done(label, run)` is called (in this thread) as each child finishes."""
     stubs = stubs or prepare_fakes(python, scratch / "fakes", list(trees.values()))
     jobs = jobs or os.cpu_count() or 1
-    work = [(label, tree, arch) for label, tree in trees.items() for arch in archs]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {
-            pool.submit(
-                _run_one, python, tree, arch, scenarios, stubs, scratch / label / arch.name
-            ): (label, arch.name)
-            for label, tree, arch in work
-        }
-        done = {}
-        for future in as_completed(futures):
-            label, arch_name = futures[future]
-            done[(label, arch_name)] = future.result()
-            if on_done is not None:
-                on_done(label, done[(label, arch_name)])
+    work = [(label, tree, arch) for label, tree, arch in _ordered(trees, archs)]
+    # One zygote per worker thread: each child is a fork of an interpreter that has
+    # imported torch already (zygote.py), instead of a fresh `python child.py`.
+    zygotes: queue.Queue[Zygote] = queue.Queue()
+    started: list[Zygote] = []
+    use_zygote = os.environ.get("SM120_GATE_ZYGOTE", "1") != "0" and bool(archs)
+    fresh = _fresh_process(python)
+
+    def start(argv: list[str], env: Mapping[str, str], cwd: Path, log: Path) -> int | None:
+        if not use_zygote:
+            return fresh(argv, env, cwd, log)
+        try:
+            zygote = zygotes.get_nowait()
+        except queue.Empty:
+            zygote = Zygote(python, env, scratch / f"zygote-{len(started)}.log")
+            started.append(zygote)
+        try:
+            return zygote.run(argv, env, cwd, log)
+        finally:
+            zygotes.put(zygote)
+
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {
+                pool.submit(
+                    _run_one, start, tree, arch, scenarios, stubs, scratch / label / arch.name
+                ): (label, arch.name)
+                for label, tree, arch in work
+            }
+            done = {}
+            for future in as_completed(futures):
+                label, arch_name = futures[future]
+                done[(label, arch_name)] = future.result()
+                if on_done is not None:
+                    on_done(label, done[(label, arch_name)])
+    finally:
+        for zygote in started:
+            zygote.close()
     return {
         label: MatrixRun(tree, {arch.name: done[(label, arch.name)] for arch in archs})
         for label, tree in trees.items()
