@@ -82,7 +82,9 @@ def setup(scratch: Path, version: str) -> tuple[Path, Path, str]:
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
     pinned = lock.read(fork / "vendor/sglang.lock")
     assert pinned is not None and pinned.version == BASE
-    shutil.copytree(SERIES, fork / "patches")
+    # The series as it stood; its era's gate data and the replay's recorded resolutions
+    # (benchmarks/replay.py) are not part of patches/.
+    shutil.copytree(SERIES, fork / "patches", ignore=shutil.ignore_patterns("gates", "resolutions"))
     (fork / "CHANGELOG.md").write_text(f"# Changelog\n\n## {BASE}+sm120.1 - 2026-11-29\n")
     git(fork, "add", "-A", ".")
     git(fork, "commit", "-q", "-m", "fork")
