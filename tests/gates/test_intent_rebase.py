@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from . import synthetic
 from .gate_harness import runner, spec, table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,21 +94,23 @@ result = reapply(intent, read, [path])
 assert result.status == "resolved", result.detail
 sys.stdout.write(result.changes[path])
 """
-GIT_ENV = {
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "Upstream",
-    "GIT_AUTHOR_EMAIL": "upstream@example.com",
-    "GIT_COMMITTER_NAME": "Upstream",
-    "GIT_COMMITTER_EMAIL": "upstream@example.com",
-    "GIT_AUTHOR_DATE": "2026-01-02T03:04:05+00:00",
-    "GIT_COMMITTER_DATE": "2026-01-02T03:04:05+00:00",
-}
 
 
 def _run(cwd: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **GIT_ENV, "HOME": str(home), "PYTHONPATH": str(ROOT / "scripts")}
-    env["SM120FORK_DATE"] = "2026-12-01"
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    return synthetic.run(cwd, *args, home=home)
+
+
+def _reformat(upstream: Path) -> None:
+    glm4 = upstream / GLM4
+    assert GATE in glm4.read_text(), "the Glm4Moe gate moved upstream: update GATE"
+    glm4.write_text(glm4.read_text().replace(GATE, REFORMATTED, 1))
+
+
+def _move(upstream: Path) -> None:
+    init = upstream / INIT
+    assert IMPORT in init.read_text()
+    init.write_text(init.read_text().replace(IMPORT, MOVED_IMPORT, 1))
+    (upstream / GLM4).rename(upstream / MOVED_TO)
 
 
 def _derived_patch(fork: Path, home: Path) -> str:
@@ -130,27 +132,8 @@ def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ob
     tmp = tmp_path_factory.mktemp("intent-rebase")
     home = tmp / "home"
     home.mkdir()
-    upstream = tmp / "upstream"
-    shutil.copytree(ROOT / "vendor" / "sglang", upstream)
-
-    def git(cwd: Path, *args: str) -> None:
-        result = _run(cwd, "git", *args, home=home)
-        assert result.returncode == 0, result.stderr
-
-    git(upstream, "init", "-q", ".")
-    for tag in ("v0.5.23", "v0.5.24", "v0.5.25"):
-        glm4 = upstream / GLM4
-        if tag == "v0.5.24":
-            assert GATE in glm4.read_text(), "the Glm4Moe gate moved upstream: update GATE"
-            glm4.write_text(glm4.read_text().replace(GATE, REFORMATTED, 1))
-        if tag == "v0.5.25":
-            init = upstream / INIT
-            assert IMPORT in init.read_text()
-            init.write_text(init.read_text().replace(IMPORT, MOVED_IMPORT, 1))
-            glm4.rename(upstream / MOVED_TO)
-        git(upstream, "add", "-A", ".")
-        git(upstream, "commit", "-q", "-m", f"release {tag}")
-        git(upstream, "tag", tag)
+    releases = [("v0.5.23", None), ("v0.5.24", _reformat), ("v0.5.25", _move)]
+    upstream = synthetic.cut_releases(tmp, home, releases)
 
     fork = tmp / "fork"
     fork.mkdir()
@@ -167,9 +150,8 @@ def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ob
         ran = _run(fork, *python, command, home=home)
         assert ran.returncode == 0, ran.stdout + ran.stderr
     (fork / ".gitignore").write_text("/build/\n")
-    git(fork, "init", "-q", ".")
-    git(fork, "add", "-A", ".")
-    git(fork, "commit", "-q", "-m", "the fork at 0.5.23")
+    synthetic.git(fork, "init", "-q", ".", home=home)
+    synthetic.commit_all(fork, "the fork at 0.5.23", home)
     rebase = _run(
         fork, *python, "rebase", "v0.5.25", "--step", "--upstream-git", upstream.as_uri(), home=home
     )

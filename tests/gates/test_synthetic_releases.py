@@ -14,7 +14,6 @@ synthetic release has no wheel of its own to install one from).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from . import synthetic
 from .gate_harness import runner, spec, table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,15 +56,6 @@ OLMO2_UPSTREAM = """\
             overrides["attention_backend"] = "triton"
 """
 EXAONE_IMPORT = "from sglang.srt.arg_groups.model_overrides import exaone  # noqa: F401\n"
-GIT_ENV = {
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "Upstream",
-    "GIT_AUTHOR_EMAIL": "upstream@example.com",
-    "GIT_COMMITTER_NAME": "Upstream",
-    "GIT_COMMITTER_EMAIL": "upstream@example.com",
-    "GIT_AUTHOR_DATE": "2026-01-02T03:04:05+00:00",
-    "GIT_COMMITTER_DATE": "2026-01-02T03:04:05+00:00",
-}
 
 
 def _replace(path: Path, old: str, new: str) -> None:
@@ -95,30 +86,15 @@ def fix_upstream(tree: Path) -> None:
 
 
 def _run(cwd: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **GIT_ENV, "HOME": str(home), "PYTHONPATH": str(ROOT / "scripts")}
-    env["SM120FORK_DATE"] = "2026-12-01"
-    env["SM120_REBASE_GATE_ENV"] = sys.prefix  # this gate environment judges (c)
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    # this gate environment judges (c)
+    return synthetic.run(cwd, *args, home=home, env={"SM120_REBASE_GATE_ENV": sys.prefix})
 
 
 def rebased(tmp: Path, edit: Callable[[Path], None]) -> tuple[Path, dict[str, object], str]:
     """(patched tree, report, rebase output) after `rebase v0.5.24` onto `edit`ed 0.5.23."""
     home = tmp / "home"
     home.mkdir()
-    upstream = tmp / "upstream"
-    shutil.copytree(ROOT / "vendor" / "sglang", upstream)
-
-    def git(cwd: Path, *args: str) -> None:
-        result = _run(cwd, "git", *args, home=home)
-        assert result.returncode == 0, result.stderr
-
-    git(upstream, "init", "-q", ".")
-    for tag in ("v0.5.23", "v0.5.24"):
-        if tag == "v0.5.24":
-            edit(upstream)
-        git(upstream, "add", "-A", ".")
-        git(upstream, "commit", "-q", "-m", f"release {tag}")
-        git(upstream, "tag", tag)
+    upstream = synthetic.cut_releases(tmp, home, [("v0.5.23", None), ("v0.5.24", edit)])
     fork = tmp / "fork"
     fork.mkdir()
     for name in ("vendor", "patches", "tests", "pyproject.toml", "CHANGELOG.md"):
@@ -129,9 +105,8 @@ def rebased(tmp: Path, edit: Callable[[Path], None]) -> tuple[Path, dict[str, ob
         else:
             shutil.copy(source, fork / name)
     (fork / ".gitignore").write_text("/build/\n__pycache__/\n")
-    git(fork, "init", "-q", ".")
-    git(fork, "add", "-A", ".")
-    git(fork, "commit", "-q", "-m", "the fork at 0.5.23")
+    synthetic.git(fork, "init", "-q", ".", home=home)
+    synthetic.commit_all(fork, "the fork at 0.5.23", home)
     python = [sys.executable, "-m", "sm120fork", "-C", str(fork)]
     ran = _run(fork, *python, "rebase", "v0.5.24", "--upstream-git", upstream.as_uri(), home=home)
     output = ran.stdout + ran.stderr

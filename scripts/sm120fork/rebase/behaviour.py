@@ -30,7 +30,9 @@ from typing import Protocol
 
 from sm120fork.errors import FatalError
 from sm120fork.gates import compare_trees, load_policy
+from sm120fork.patches.applier import write_changes
 from sm120fork.patches.patchfile import PatchFile
+from sm120fork.paths import RepoPaths
 from sm120fork.rebase import gaterows
 from sm120fork.rebase.gatefindings import describe_gate
 from sm120fork.rebase.merge import conflict
@@ -173,14 +175,10 @@ def _changed_gates(ctx: Context, patch: Carried) -> str:
             trees = []
             for label, commit in (("old", previous), ("new", ctx.target.base_commit)):
                 root = Path(tmp) / label
-                for path in files:
-                    text = repo.read(commit, path)
-                    if text is not None:
-                        (root / path).parent.mkdir(parents=True, exist_ok=True)
-                        (root / path).write_text(text, encoding="utf-8")
+                write_changes(root, {path: repo.read(commit, path) for path in files})
                 root.mkdir(exist_ok=True)
                 trees.append(root)
-            policy = load_policy(ctx.fork_root / "patches" / "gates.toml")
+            policy = load_policy(RepoPaths(ctx.fork_root).gates_policy)
             diff = compare_trees(trees[0], trees[1], policy)
     except (OSError, ValueError, FatalError):
         return ""

@@ -19,6 +19,7 @@ import re
 from dataclasses import replace
 
 from sm120fork.gates.semantics import PLATFORM_FACTS
+from sm120fork.patches.applier import write_changes
 from sm120fork.rebase.names import Breakage, broken_lines
 from sm120fork.rebase.strategy import CarriedPatch, CarryContext, Outcome, finish
 
@@ -53,8 +54,7 @@ def rewrite(
             lines[b.line - 1] = line
         edits[path] = "".join(lines)
     ctx.repo.git("reset", "-q", "--soft", ctx.tip)
-    for path, text in edits.items():
-        (ctx.repo.root / path).write_bytes(text.encode("utf-8"))
+    write_changes(ctx.repo.root, edits)
     called = sorted({n for ns in helpers.values() for n in ns})
     said = ", ".join(f"{n}() -> get_platform().{FACTS[n]}" for n in called)
     reason = (

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from sm120fork.patches.applier import write_changes
 from sm120fork.patches.lines import split_lines
 from sm120fork.rebase import adjacent, cosmetic
 from sm120fork.rebase.conflicts import segments
@@ -110,10 +111,7 @@ def resolve_worktree(repo: WorkRepo) -> Resolved | None:
         if merged is None:
             return None
         texts[path], kinds = merged[0], kinds | merged[1]
-    for path, text in texts.items():
-        (repo.root / path).write_bytes(text.encode("utf-8"))
-    for path in deleted:
-        (repo.root / path).unlink(missing_ok=True)
+    write_changes(repo.root, {**texts, **dict.fromkeys(deleted)})
     order = [name for name, _ in RULES]
     used = sorted(kinds, key=order.index)
     phrases = [PHRASES[kind] for kind in used]

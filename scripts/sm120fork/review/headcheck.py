@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sm120fork.patches.applier import write_changes
 from sm120fork.patches.checks import check_repository
 from sm120fork.paths import RepoPaths
 from sm120fork.review.model import CheckReview
@@ -23,11 +24,7 @@ def check_head(scratch: Path, head: Side, pristine: Files) -> CheckReview:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
     paths.upstream_tree.mkdir(parents=True, exist_ok=True)
-    for path, text in pristine.items():
-        if text is not None:
-            target = paths.upstream_tree / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(text.encode("utf-8"))
+    write_changes(paths.upstream_tree, pristine)
     if not paths.series_file.is_file():
         return CheckReview(clean=True, findings=())
     # The vendored tree itself is checked where it lives (`check` on HEAD's checkout).
