@@ -5,6 +5,7 @@ intent for each of its patches, each reproducing its patch byte for byte on sgla
 from __future__ import annotations
 
 import ast
+import difflib
 import subprocess
 import sys
 import zipfile
@@ -51,16 +52,22 @@ def test_the_0_5_9_glm4_moe_intent_follows_its_gate_to_0_5_23() -> None:
     ast.parse(new)
 
 
-def test_the_0_5_9_olmo2_intent_does_not_write_serverargs_code_into_0_5_23() -> None:
+def test_the_0_5_9_olmo2_intent_writes_0_5_23s_override_pass_form() -> None:
     """0.5.15 turned Olmo2's `self.attention_backend = ...` into an override returning
-    `overrides`; the recipe finds its if-chain in 0.5.23's olmo2.py but refuses to
-    write `self.` there (the rebase then leaves the patch to a person)."""
+    `overrides`; the recipe finds its if-chain in 0.5.23's olmo2.py and writes the
+    branch as the fork's own 0.5.23 patch does (passform.py): no `self.` there."""
     intent = load_intents(SERIES / "intents.toml")["sm120-olmo2-attention-triton.patch"]
     path = "python/sglang/srt/arg_groups/model_overrides/olmo2.py"
     text = (Path(__file__).resolve().parents[1] / "vendor" / "sglang" / path).read_text()
     result = reapply(intent, {path: text}.get, [path])
-    assert result.status == "not-found"
-    assert "its new code reads self" in result.detail
+    assert result.status == "resolved", result.detail
+    assert "written in the override-pass form" in result.detail
+    added = difflib.ndiff(text.splitlines(), result.changes[path].splitlines())
+    assert [line[2:] for line in added if line.startswith("+ ")] == [
+        "        elif get_platform().is_cuda and get_platform().is_sm120:",
+        "            # FA3 has no SM12x kernels and FlashInfer is refused below.",
+        '            overrides["attention_backend"] = "triton"',
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import tomllib
 from forkrepo import edit
 from hermetic import git
-from intentcase import GLM_ONLY, INTENT, INTENTS_TOML, SA
+from intentcase import GLM_ONLY, IMPORTS, INTENT, INTENTS_TOML, SA
 from rebasefork import RebaseFork, make_rebase_fork
 from sm120fork.cli import main
+from sm120fork.intent.model import parse_intent
 from sm120fork.intent.reapply import reapply
 
 ORIGINAL = GLM_ONLY
@@ -108,4 +110,142 @@ def test_gate_moved_to_another_file_is_resolved_there(
     assert f"+++ b/{MOVED_TO}" in landed and "server_args.py" not in landed
     assert "+    if is_sm100_supported() or is_sm120_supported():" in landed
     assert "+from sglang.srt.utils import is_sm100_supported, is_sm120_supported" in landed
+    assert main(["-C", str(fork.root), "check"]) == 0, capsys.readouterr().out
+
+
+# The two shapes of upstream change the 0.5.9 -> 0.5.23 replay met (issue #15).
+OLMO_TOML = """\
+[[intent]]
+patch = "0001-olmo.patch"
+says = "Olmo2 on SM12x defaults to triton attention"
+
+[[intent.edit]]
+model = "Olmo2ForCausalLM"
+add_elif_after = "is_sm100_supported()"
+code = '''
+elif is_sm120_supported():
+    self.attention_backend = "triton"
+'''
+"""
+OLMO_METHOD = IMPORTS.replace("    is_hip,\n", "    is_hip,\n    is_sm120_supported,\n") + (
+    """\
+        if model_arch in ["Olmo2ForCausalLM"]:
+            if is_sm100_supported():
+                self.attention_backend = "trtllm_mha"
+            else:
+                self.attention_backend = "fa3"
+"""
+)
+OLMO_PASS_PATH = "python/sglang/srt/arg_groups/model_overrides/olmo2.py"
+OLMO_PASS = textwrap.dedent("""\
+    from sglang.srt.utils import is_sm100_supported, is_sm120_supported
+
+
+    @_register_for("Olmo2ForCausalLM")
+    def _olmo2_overrides(server_args, hf_config):
+        overrides = {}
+        if is_sm100_supported():
+            overrides["attention_backend"] = "trtllm_mha"
+        else:
+            overrides["attention_backend"] = "fa3"
+        return overrides
+""")
+
+
+def _fork_declaring(
+    request: pytest.FixtureRequest,
+    versions: dict[str, dict[str, str]],
+    intents_toml: str,
+) -> RebaseFork:
+    """A fork whose one patch is its intent made on the first release."""
+    name = tomllib.loads(intents_toml)["intent"][0]["patch"]
+    intent = parse_intent(tomllib.loads(intents_toml)["intent"][0], "test")
+    first = next(iter(versions.values()))
+    made = reapply(intent, first.get, sorted(first))
+    assert made.status == "resolved", made.detail
+    edits = [(path, first[path], text) for path, text in made.changes.items()]
+    fork = make_rebase_fork(request, versions, [(name, edits)])
+    (fork.root / "patches/intents.toml").write_text(intents_toml)
+    git("add", "-A", ".", cwd=fork.root)
+    git("commit", "-q", "-m", "declare the intent", cwd=fork.root)
+    return fork
+
+
+def test_a_serverargs_gate_moved_into_an_override_pass_is_written_in_its_form(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0.5.15 and 0.5.19: Olmo2's default left ServerArgs for a registered function
+    returning `overrides`; the intent lands there as upstream writes such code."""
+    moved_out = edit(
+        OLMO_METHOD, OLMO_METHOD[OLMO_METHOD.index("        if model_arch") :], "        pass\n"
+    )
+    versions = {
+        "v0.5.9": {SA: OLMO_METHOD},
+        "v0.5.10": {SA: moved_out, OLMO_PASS_PATH: OLMO_PASS},
+    }
+    fork = _fork_declaring(request, versions, OLMO_TOML)
+    result = fork.rebase("v0.5.10")
+    assert result.returncode == 0, result.stderr
+    [patch] = fork.report()["patches"]
+    assert (patch["status"], patch["strategy"]) == ("resolved", "intent"), patch
+    assert "written in the override-pass form" in patch["detail"]
+    landed = fork.read("patches/0001-olmo.patch")
+    assert f"+++ b/{OLMO_PASS_PATH}" in landed
+    assert (
+        '+    elif is_sm120_supported():\n+        overrides["attention_backend"] = "triton"\n'
+        in landed
+    )
+    assert main(["-C", str(fork.root), "check"]) == 0, capsys.readouterr().out
+
+
+NSA_TOML = """\
+[[intent]]
+patch = "0001-nsa.patch"
+says = "NSA models are refused on SM12x"
+
+[[intent.edit]]
+model = "DeepseekV3ForCausalLM"
+within = "is_deepseek_nsa(hf_config)"
+refuse_at = "top"
+code = '''
+if is_sm120_supported():
+    raise ValueError("NSA needs DeepGEMM, which SM12x lacks")
+'''
+"""
+CONFIGS = "python/sglang/srt/configs/model_config.py"
+NSA_CONFIGS = "def is_deepseek_nsa(config) -> bool:\n    return config.index_topk is not None\n"
+NSA_ARGS = IMPORTS.replace("    is_hip,\n", "    is_hip,\n    is_sm120_supported,\n") + (
+    """\
+        from sglang.srt.configs.model_config import is_deepseek_nsa
+
+        if model_arch in ["DeepseekV3ForCausalLM"]:
+            if is_deepseek_nsa(hf_config):
+                self.attention_backend = "nsa"
+"""
+)
+
+
+def test_an_intent_follows_a_function_upstream_renamed(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0.5.13 renamed is_deepseek_nsa to is_deepseek_dsa and rewrote the branch under it;
+    the intent tests the renamed function, says so, and keeps the new name."""
+    dsa_args = NSA_ARGS.replace("is_deepseek_nsa", "is_deepseek_dsa").replace('"nsa"', '"dsa"')
+    versions = {
+        "v0.5.9": {SA: NSA_ARGS, CONFIGS: NSA_CONFIGS},
+        "v0.5.10": {SA: dsa_args, CONFIGS: NSA_CONFIGS.replace("_nsa", "_dsa")},
+    }
+    fork = _fork_declaring(request, versions, NSA_TOML)
+    result = fork.rebase("v0.5.10")
+    assert result.returncode == 0, result.stderr
+    [patch] = fork.report()["patches"]
+    assert (patch["status"], patch["strategy"]) == ("resolved", "intent"), patch
+    assert "followed upstream's rename is_deepseek_nsa() -> is_deepseek_dsa()" in patch["detail"]
+    landed = fork.read("patches/0001-nsa.patch")
+    assert (
+        "             if is_deepseek_dsa(hf_config):\n+                if is_sm120_supported():\n"
+        in landed
+    )
+    intents = fork.read("patches/intents.toml")
+    assert 'within = "is_deepseek_dsa(hf_config)"' in intents and "_nsa" not in intents
     assert main(["-C", str(fork.root), "check"]) == 0, capsys.readouterr().out

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import libcst as cst
 
+from sm120fork.intent import passform
 from sm120fork.intent.archform import spelled_for
 from sm120fork.intent.freenames import unbound
 from sm120fork.intent.locate import (
@@ -122,23 +123,40 @@ def _top(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> Splice:
     return _before(source, (first, block, 0), edit.code, order, edit)
 
 
+@dataclass(frozen=True)
+class Plan:
+    splices: list[Splice]
+    note: str = ""  # how the code was adapted to where it lands ("" as written)
+
+
 def plan(
     source: Source, scope: cst.CSTNode, edit: Edit, order: int, introduced: frozenset[str]
-) -> list[Splice]:
+) -> Plan:
     """The splices that make `edit` in `source`; Missing when its anchor is not there, or
     when its new code reads a name nothing there binds (`introduced`: what the
-    intent's other edits add)."""
+    intent's other edits add). Code written for a ServerArgs method that lands in an
+    override pass is rewritten in the pass's form (passform.py)."""
     if edit.op in ("import_beside", "comment_after"):
-        return _plan(source, scope, edit, order)
+        return Plan(_plan(source, scope, edit, order))
     edit = replace(edit, code=spelled_for(source.text, edit.code))
     splices = _plan(source, scope, edit, order)
     # Where the code lands: inside the scope's function, or at module level.
     inside = not isinstance(scope, cst.Module)
     line = source.span(scope)[0] if inside else source.line_of(splices[0].start)
-    if names := unbound(source.tree, line, edit.code, set(introduced)):
+    names = unbound(source.tree, line, edit.code, set(introduced))
+    note = ""
+    if "self" in names:
+        form = passform.rewrite(source.tree, line, edit.code)
+        if form.code is None:
+            lacks = f"its new code reads self, which {edit.where()} lacks, and {form.note}"
+            raise Missing(lacks, anchored=True)
+        edit, note = replace(edit, code=form.code), form.note
+        splices = _plan(source, scope, edit, order)
+        names = unbound(source.tree, line, edit.code, set(introduced))
+    if names:
         lacks = f"its new code reads {', '.join(names)}, which {edit.where()} lacks"
         raise Missing(lacks, anchored=True)
-    return splices
+    return Plan(splices, note)
 
 
 def _plan(source: Source, scope: cst.CSTNode, edit: Edit, order: int) -> list[Splice]:

@@ -46,6 +46,11 @@ def _module_level(tree: ast.Module) -> set[str]:
     return names
 
 
+def first_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Where a function starts, its decorators included (libcst's span starts there)."""
+    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
+
+
 def unbound(module: ast.Module, line: int, code: str, introduced: set[str]) -> list[str]:
     """Names `code`, landing at `line` of `module`, reads that nothing there binds."""
     text = textwrap.dedent(code).strip("\n")
@@ -61,8 +66,9 @@ def unbound(module: ast.Module, line: int, code: str, introduced: set[str]) -> l
         return []  # a star import binds names no one can list
     bound = _module_level(module) | introduced | stored(new) | _BUILTINS
     for node in ast.walk(module):
-        function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        if function and node.lineno <= line <= (node.end_lineno or node.lineno):  # type: ignore[attr-defined]
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if first_line(node) <= line <= (node.end_lineno or node.lineno):
             bound |= stored(node)
     read = {n.id for n in ast.walk(new) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return sorted(read - bound)

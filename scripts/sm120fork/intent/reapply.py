@@ -61,6 +61,7 @@ def reapply(
     tree = _Tree(read, candidates)
     planned: dict[str, tuple[Source, list[edits.Splice]]] = {}
     already: list[str] = []
+    adaptations: list[str] = []
     introduced = _introduced(intent)
     for order, edit in enumerate(intent.edits):
         found = tree.find(edit)
@@ -73,11 +74,13 @@ def reapply(
                 detail = f"{len(fits)} places fit ({where}); the intent is ambiguous there"
                 return Reapplied("not-found", f"{edit.where()}: {detail}")
             return Reapplied("not-found", f"{misses[0]} the code no longer fits the intent")
-        source, note, splices = fits[0]
+        source, note, splices, adapted = fits[0]
         if note:
             already.append(f"{edit.where()} in {source.path}: {note}")
         else:
             planned.setdefault(source.path, (source, []))[1].extend(splices)
+        if adapted:
+            adaptations.append(f"{edit.where()}: {adapted}")
     if not planned:
         return Reapplied("upstreamed", f"upstream's code already does it: {'; '.join(already)}")
     changes = {}
@@ -87,12 +90,15 @@ def reapply(
             return Reapplied("not-found", f"two edits of the intent overlap in {path}")
         changes[path] = text
     detail = f"re-applied intent in {', '.join(changes)}: {intent.says}"
+    if adaptations:
+        detail += f" ({'; '.join(adaptations)})"
     if already:
         detail += f" (already upstream: {'; '.join(already)})"
     return Reapplied("resolved", detail, changes)
 
 
-Fit = tuple[Source, str, list[edits.Splice]]  # where, what is already there, the splices
+# where, what is already there, the splices, how the code was adapted to the place
+Fit = tuple[Source, str, list[edits.Splice], str]
 
 
 def _introduced(intent: Intent) -> frozenset[str]:
@@ -119,15 +125,16 @@ def _fits(
         inner = within(source, outer, edit)
         if not inner:  # the gate `within` names is gone: perhaps upstream made the change
             if note := present(source, outer, edit):
-                fits.append((source, note, []))
+                fits.append((source, note, [], ""))
             else:
                 misses.append(f"{source.path}: no `if {edit.within}` in {edit.where()};")
         for scope in inner:
             if note := present(source, scope, edit):
-                fits.append((source, note, []))
+                fits.append((source, note, [], ""))
                 continue
             try:
-                fits.append((source, "", edits.plan(source, scope, edit, order, introduced)))
+                planned = edits.plan(source, scope, edit, order, introduced)
+                fits.append((source, "", planned.splices, planned.note))
             except edits.Missing as error:  # the scope that had the anchor says most
                 miss = f"{source.path}: {error};"
                 misses.insert(0 if error.anchored else len(misses), miss)

@@ -32,6 +32,7 @@ from pathlib import Path
 from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.fsutil import copy_tree, remove, swap_back, swap_in
 from sm120fork.gates.diff import GateDiff
+from sm120fork.intent import renames
 from sm120fork.patches.lines import split_lines
 from sm120fork.patches.normalform import render_patch
 from sm120fork.patches.series import read_series
@@ -179,9 +180,10 @@ def writers(
                 (dest / patch.name).write_bytes(patch_bytes(original, patch, today))
         (dest / "series").write_bytes(series.render().encode("utf-8"))
         intents = dest / paths.intents_file.relative_to(paths.patches_dir)  # staged patches/
-        if intents.is_file() and dropped:
-            text = intents.read_text("utf-8")
-            intents.write_bytes(without_intents(text, dropped).encode("utf-8"))
+        renamed = {p.name: dict(p.renames) for p in state.patches if p.renames}
+        if intents.is_file() and (dropped or renamed):
+            text = without_intents(intents.read_text("utf-8"), dropped)
+            intents.write_bytes(with_renames(text, renamed).encode("utf-8"))
 
     def changelog_file(dest: Path) -> None:
         current = paths.changelog.read_text("utf-8") if paths.changelog.is_file() else None
@@ -206,6 +208,18 @@ def patch_bytes(original: bytes, patch: PatchState, today: str) -> bytes:
     file = parsed(patch)
     diff = "".join(split_lines(patch.text)[file.header_lines :])
     return render_patch(file.header.with_last_update(today), diff)
+
+
+def with_renames(text: str, renamed: dict[str, dict[str, str]]) -> str:
+    """patches/intents.toml with the `[[intent]]` block of each patch in `renamed` calling
+    the functions upstream renamed by their new names (so `check` proves it again on
+    the new base); the rest verbatim."""
+    head, *blocks = _INTENT.split(text)
+    for index, block in enumerate(blocks):
+        name = tomllib.loads(block)["intent"][0].get("patch")
+        if name in renamed:
+            blocks[index] = renames.renamed_text(block, renamed[name])
+    return head + "".join(blocks)
 
 
 def without_intents(text: str, dropped: set[str]) -> str:

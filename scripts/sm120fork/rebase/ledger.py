@@ -59,6 +59,7 @@ def record(state: RebaseState, index: int, outcome: Outcome, note: str = "") -> 
         conflicts=outcome.conflicts,  # a resolved patch keeps what it resolved
         commit=outcome.commit or patch.commit,
         text=outcome.text or patch.text,
+        renames=(*patch.renames, *outcome.renames),
     )
     return state.with_patch(index, carried)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import PurePosixPath
 
+from sm120fork.intent import renames
 from sm120fork.intent.reapply import Reapplied, reapply
 from sm120fork.patches.applier import write_changes
 from sm120fork.rebase import resolutions
@@ -19,7 +20,7 @@ def try_intent(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
     gate already admitting SM12x -> upstreamed, or rewrites it -> resolved (so the
     recipe keeps reproducing the patch, as check wants); the conflicts a 3-way merge
     would have left are kept for the report."""
-    verdict = _reapplied(ctx)
+    verdict, renamed = _reapplied(ctx)
     if verdict is None or verdict.status not in ("upstreamed", "resolved"):
         return None
     if verdict.status == "upstreamed":
@@ -31,7 +32,7 @@ def try_intent(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
     write_changes(ctx.repo.root, verdict.changes)
     reason = f"{verdict.detail} (its text no longer applies; {merge}); refreshed"
     outcome = finish(ctx, patch.parsed, "resolved", reason, "intent")
-    return replace(outcome, conflicts=conflicts)
+    return replace(outcome, conflicts=conflicts, renames=tuple(sorted(renamed.items())))
 
 
 def try_three_way(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
@@ -74,7 +75,7 @@ def try_resolutions(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
 def conflict(ctx: CarryContext, patch: CarriedPatch) -> Outcome:
     """The last resort, always an outcome: the conflict markers stay in the work tree
     for a person, the reason says why no rule could decide."""
-    verdict = _reapplied(ctx)  # read before the merge writes its markers
+    verdict, _ = _reapplied(ctx)  # read before the merge writes its markers
     ctx.repo.cherry_pick(patch.state.commit)
     conflicts = _described(ctx, patch)
     reason = _conflicts_detail(ctx.version, conflicts)
@@ -96,14 +97,28 @@ def _conflicts_detail(version: str, conflicts: tuple[Conflict, ...]) -> str:
     return f"the 3-way merge onto {version} conflicts in {count} ({where})"
 
 
-def _reapplied(ctx: CarryContext) -> Reapplied | None:
-    """The intent re-applied to the work tree's files (nothing is written)."""
+def _reapplied(ctx: CarryContext) -> tuple[Reapplied | None, dict[str, str]]:
+    """The intent re-applied to the work tree's files (nothing is written), and the
+    functions upstream renamed since the previous release that it followed."""
     if ctx.intent is None:
-        return None
+        return None, {}
     root = ctx.repo.root
 
     def read(path: str) -> str | None:
         file = root / path
         return file.read_text("utf-8") if file.is_file() else None
 
-    return reapply(ctx.intent, read, [p for p in ctx.repo.files() if p.endswith(".py")])
+    old, new = _lookup(ctx, ctx.previous), _lookup(ctx, ctx.target.base_commit)
+    intent, renamed = renames.follow(ctx.intent, old, new)
+    verdict = reapply(intent, read, [p for p in ctx.repo.files() if p.endswith(".py")])
+    if not renamed or verdict.status not in ("upstreamed", "resolved"):
+        return verdict, {}
+    return replace(verdict, detail=f"{verdict.detail} ({renames.said(renamed)})"), renamed
+
+
+def _lookup(ctx: CarryContext, commit: str) -> tuple[renames.Defining, renames.Reader]:
+    """Where a release defines a function, and its files: what renames.follow compares."""
+    return (
+        lambda names: ctx.repo.defining(commit, names),
+        lambda path: ctx.repo.read(commit, path),
+    )

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sm120fork.errors import EXIT_FINDINGS, FatalError
-from sm120fork.intent.model import load_intents
+from sm120fork.intent import renames
+from sm120fork.intent.model import Intent, load_intents
 from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.progress import Counter, Progress
 from sm120fork.rebase import fate, ledger, targets
@@ -118,7 +119,7 @@ def _carry_release(
             tip=state.tip,
             target=state.target,
             renderer=renderer,
-            intent=intents.get(patch.name),
+            intent=followed(intents.get(patch.name), patch.renames),
             fork_root=workspace.paths.root,
             previous=patch.commit,
         )
@@ -139,6 +140,12 @@ def _carry_release(
         )
         crash_point(f"after-patch-{number + 1}")
     return workspace.save(replace(state, release_index=index + 1, patch_index=0, tip=""))
+
+
+def followed(intent: Intent | None, renamed: tuple[tuple[str, str], ...]) -> Intent | None:
+    """The patch's intent calling the functions it followed at earlier releases by their
+    new names (landing writes them into patches/intents.toml)."""
+    return None if intent is None else renames.applied(intent, dict(renamed))
 
 
 def resolved(

@@ -41,7 +41,7 @@ from sm120fork.gates.diff import GateDiff
 from sm120fork.upstream.source import UpstreamSource
 
 CRASH_ENV = "SM120FORK_REBASE_CRASH_AT"
-FORMAT = 3  # 2: a step keeps its reason; fate.py words it. 3: and its strategy
+FORMAT = 4  # 2: a step keeps its reason; fate.py words it. 3: and its strategy. 4: renames
 
 Status = Literal[
     "clean", "offset", "merged", "resolved", "upstreamed", "dropped", "conflict", "pending"
@@ -85,6 +85,9 @@ class PatchState:
     commit: str = ""  # the patch's commit in the work repository at that release
     steps: tuple[StepResult, ...] = ()
     conflicts: tuple[Conflict, ...] = ()
+    # Functions upstream renamed that its intent follows (old, new), oldest first;
+    # landing writes them into patches/intents.toml.
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,9 +181,10 @@ def loads(text: str) -> RebaseState:
 
 def _patch(data: dict[str, Any]) -> PatchState:
     return PatchState(
-        **{k: v for k, v in data.items() if k not in ("steps", "conflicts")},
+        **{k: v for k, v in data.items() if k not in ("steps", "conflicts", "renames")},
         steps=tuple(StepResult(**s) for s in data["steps"]),
         conflicts=tuple(Conflict(**c) for c in data["conflicts"]),
+        renames=tuple((old, new) for old, new in data["renames"]),
     )
 
 

@@ -33,6 +33,7 @@ class Outcome:
     text: str = ""  # its normal form against the tip
     conflicts: tuple[Conflict, ...] = ()
     strategy: str = ""  # the strategy that carried or dropped it ("exact", "3-way", ...)
+    renames: tuple[tuple[str, str], ...] = ()  # functions its intent followed to new names
 
 
 @dataclass(frozen=True)

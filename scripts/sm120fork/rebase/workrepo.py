@@ -14,9 +14,11 @@ reads every file each patch changes, before and after, at every release.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -172,6 +174,22 @@ class WorkRepo:
     def files(self) -> list[str]:
         """Every file of HEAD."""
         return [path for path in self.git("ls-files", "-z").stdout.decode().split("\0") if path]
+
+    def defining(self, commit: str, names: Iterable[str]) -> dict[str, list[str]]:
+        """The Python modules of `commit` with a `def NAME(` of each of `names` (one
+        `git grep`); a name defined nowhere is left out."""
+        wanted = sorted(set(names))
+        if not wanted:
+            return {}
+        pattern = rf"^\s*(async\s+)?def\s+({'|'.join(wanted)})\s*\("
+        grep = ["grep", "-n", "-E", "-e", pattern, commit, "--", "*.py"]
+        found: dict[str, list[str]] = {}
+        for line in self.git(*grep, check=False).stdout.decode("utf-8", "replace").splitlines():
+            _, path, _, text = line.split(":", 3)
+            name = re.search(r"def\s+(\w+)", text)
+            if name is not None and name.group(1) in wanted:
+                found.setdefault(name.group(1), []).append(path)
+        return {name: sorted(set(paths)) for name, paths in found.items()}
 
     @cached_property
     def _objects(self) -> gitcmd.ObjectReader:
