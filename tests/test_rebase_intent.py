@@ -249,3 +249,24 @@ def test_an_intent_follows_a_function_upstream_renamed(
     intents = fork.read("patches/intents.toml")
     assert 'within = "is_deepseek_dsa(hf_config)"' in intents and "_nsa" not in intents
     assert main(["-C", str(fork.root), "check"]) == 0, capsys.readouterr().out
+
+
+def test_landing_names_the_intents_that_no_longer_reproduce_their_patch(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The patch applies unchanged, but upstream added a second `if is_sm100_supported():`
+    to the override, so its intent is ambiguous there: the landing stands and says
+    which recipe `check` will refuse."""
+    second = (
+        "            x = 1\n\n\n\n            if is_sm100_supported():\n                y = 2\n"
+    )
+    fork = fork_with_intent(request, ORIGINAL + second)
+    result = fork.rebase("v0.5.10")
+    assert result.returncode == 0, result.stderr
+    assert fork.statuses() == {"0001-glm.patch": "clean"}
+    assert (
+        "1 intent no longer reproduces its patch on sglang 0.5.10; `check` fails until it is"
+        in result.stderr
+    )
+    assert "the intent of 0001-glm.patch does not reproduce the patch" in result.stderr
+    assert main(["-C", str(fork.root), "check"]) == 1

@@ -33,6 +33,7 @@ from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.fsutil import copy_tree, remove, swap_back, swap_in
 from sm120fork.gates.diff import GateDiff
 from sm120fork.intent import renames
+from sm120fork.patches.checks import INTENTS_FILE, check_repository
 from sm120fork.patches.lines import split_lines
 from sm120fork.patches.normalform import render_patch
 from sm120fork.patches.series import read_series
@@ -84,7 +85,24 @@ def land(workspace: Workspace, state: RebaseState) -> int:
         f"rebased onto sglang {state.final.version}: {kept} of {len(state.patches)} patches "
         f"carried; wrote vendor/sglang, its lock, patches/ and CHANGELOG.md; report {md}"
     )
+    stale_intents(workspace.paths, state.final.version)
     return EXIT_OK
+
+
+def stale_intents(paths: RepoPaths, version: str) -> None:
+    """Say which intents no longer reproduce their patch on the new base: a patch carried
+    by a rule, a merge or a person keeps the recipe of the old code, and `check` (so
+    CI) fails until the maintainer refreshes it; the landing itself stands."""
+    where = f"patches/{INTENTS_FILE}"
+    findings = [f for f in check_repository(paths, verify_tree=False) if f.where == where]
+    if not findings:
+        return
+    what, them = ("intents no longer reproduce their", "they are")
+    if len(findings) == 1:
+        what, them = ("intent no longer reproduces its", "it is")
+    say(f"{len(findings)} {what} patch on sglang {version}; `check` fails until {them} refreshed:")
+    for finding in findings:
+        say(f"  {finding}")
 
 
 Writer = Callable[[Path], None]  # writes one target's new content at the given path
