@@ -374,3 +374,32 @@ def test_new_code_reading_a_name_the_landing_place_lacks_does_not_fit() -> None:
     result = apply(source, edits)
     assert result.status == "not-found"
     assert "its new code reads self, which def f lacks" in result.detail
+
+
+def test_a_method_is_edited_where_the_file_has_it_whatever_its_lines_hold() -> None:
+    """Positions come per method of a class (locate.Source.focus): a line inside a
+    multi-line string keeps its own columns, the others the class's indentation."""
+    source = '''\
+        class ServerArgs:
+            x: int = 1
+
+            def f(self):
+                note = """first
+        second""" + q(is_blackwell())
+                if x:
+                    y()
+    '''
+    edits = """
+        [[intent.edit]]
+        function = "ServerArgs.f"
+        replace = "is_blackwell()"
+        by = "is_sm120()"
+
+        [[intent.edit]]
+        function = "ServerArgs.f"
+        insert_after = "y()"
+        code = "z()"
+    """
+    assert changed(source, edits) == textwrap.dedent(source).replace(
+        "q(is_blackwell())", "q(is_sm120())"
+    ).replace("            y()\n", "            y()\n            z()\n")

@@ -8,7 +8,8 @@ from __future__ import annotations
 import ast
 import bisect
 import textwrap
-from collections.abc import Callable, Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -27,17 +28,20 @@ Span = tuple[int, int, int, int]  # start line, start column, end line, end colu
 class Source:
     """One parsed module, with positions to edit its text in place.
 
-    Positions are worked out per top-level statement, when an edit first looks
-    inside it (`focus`): for the whole of a large module they cost more than the
-    parse, and an intent looks at a few functions."""
+    Positions are worked out per unit, when an edit first looks inside it
+    (`focus`): a top-level statement, or one statement of a top-level class (a
+    method of ServerArgs, not the whole 5000-line class). For a large module they
+    cost more than the parse, and an intent looks at a few functions."""
 
     path: str
     text: str
     module: cst.Module
     tree: ast.Module
     tops: dict[cst.CSTNode, int]  # top-level statement -> the line its code starts on
+    members: dict[cst.CSTNode, tuple[int, cst.CSTNode]]  # class statement -> (line, class)
     line_starts: list[int] = field(default_factory=list)
     positions: dict[cst.CSTNode, Span] = field(default_factory=dict)
+    _focused: set[int] = field(default_factory=set)
     _forms: dict[int, str | None] = field(default_factory=dict)
 
     @classmethod
@@ -46,40 +50,84 @@ class Source:
             module, tree = cst.parse_module(text), ast.parse(text)
         except (cst.ParserSyntaxError, SyntaxError, ValueError):
             return None
-        tops: dict[cst.CSTNode, int] = {}
-        index = 0
-        for statement in module.body:
-            if index >= len(tree.body):
-                return None
-            node = tree.body[index]
-            first = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
-            tops[statement] = first - len(statement.leading_lines)
-            index += len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
+        tops = _starts(module.body, tree.body)
+        if tops is None:
+            return None
+        members: dict[cst.CSTNode, tuple[int, cst.CSTNode]] = {}
+        for statement, node in zip(
+            module.body, _statements_of(module.body, tree.body), strict=True
+        ):
+            body = getattr(statement, "body", None)
+            if isinstance(statement, cst.ClassDef) and isinstance(body, cst.IndentedBlock):
+                assert isinstance(node, ast.ClassDef)
+                inner = _starts(body.body, node.body) or {}
+                members |= {member: (line, statement) for member, line in inner.items()}
         starts = [0]
         for line in text.split("\n"):
             starts.append(starts[-1] + len(line) + 1)
-        return cls(path, text, module, tree, tops, starts)
+        return cls(path, text, module, tree, tops, members, starts)
 
-    def focus(self, top: cst.CSTNode) -> None:
-        """Positions for everything inside the top-level statement `top`."""
-        if top in self.positions:
+    def is_unit(self, node: cst.CSTNode) -> bool:
+        """Whether `focus` takes `node` (a top-level statement or a class's statement)."""
+        return node in self.tops or node in self.members
+
+    def focus(self, unit: cst.CSTNode) -> None:
+        """Positions for everything inside `unit` (see `is_unit`)."""
+        if id(unit) in self._focused:
             return
+        self._focused.add(id(unit))
         alone = cst.Module(
-            body=[top],  # type: ignore[list-item]
+            body=[unit],  # type: ignore[list-item]
             default_indent=self.module.default_indent,
             default_newline=self.module.default_newline,
         )
-        shift = self.tops[top] - 1
+        if unit in self.tops:
+            first, columns = self.tops[unit], None
+        else:
+            first, owner = self.members[unit]
+            columns = self._indents(alone.code, first)
+            if columns is None:  # not rendered as the file has it: the whole class
+                self._focused.discard(id(unit))
+                self.focus(owner)
+                return
+        shift = first - 1
         for node, where in (
             MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider).items()
         ):
             start, end = where.start, where.end
-            self.positions[node] = (start.line + shift, start.column, end.line + shift, end.column)
+            if columns is None:
+                self.positions[node] = (
+                    start.line + shift,
+                    start.column,
+                    end.line + shift,
+                    end.column,
+                )
+                continue
+            self.positions[node] = (
+                start.line + shift,
+                start.column + columns[start.line - 1],
+                end.line + shift,
+                end.column + columns[end.line - 1],
+            )
+
+    def _indents(self, rendered: str, first: int) -> list[int] | None:
+        """Per line of a class statement rendered alone, what the file has before it (the
+        class's indentation, or nothing on a string's continuation line); None if a
+        line is not the file's line with its indentation taken off."""
+        *lines, last = rendered.split("\n")
+        columns = []
+        for number, line in enumerate([*lines, *([last] if last else [])], start=first):
+            start, end = self.offset(number), self.offset(number + 1)
+            held = self.text[start:end].rstrip("\n") if number < len(self.line_starts) else ""
+            if not held.endswith(line) or held[: len(held) - len(line)].strip():
+                return None
+            columns.append(len(held) - len(line))
+        return [*columns, 0]  # the line after it, where nothing of it starts
 
     def span(self, node: cst.CSTNode) -> Span:
         """(start line, start column, end line, end column), lines from 1; `node` is a
         top-level statement or inside one that was focused."""
-        if node not in self.positions and node in self.tops:
+        if node not in self.positions and self.is_unit(node):
             self.focus(node)
         return self.positions[node]
 
@@ -105,6 +153,49 @@ class Source:
             is_expression = isinstance(node, cst.BaseExpression)
             self._forms[key] = expression_form(code) if is_expression else statement_form(code)
         return self._forms[key]
+
+
+_PARSED: OrderedDict[tuple[str, str], Source | None] = OrderedDict()
+_KEPT = 24  # modules: a rebase re-reads the same few (server_args.py is 40 MB parsed)
+
+
+def parsed(path: str, text: str) -> Source | None:
+    """`Source.parse`, once per module text in a process: a rebase re-applies each
+    patch's intent, and `check` each intent, to mostly the same unchanged modules."""
+    key = (path, text)
+    if key in _PARSED:
+        _PARSED.move_to_end(key)
+        return _PARSED[key]
+    source = _PARSED[key] = Source.parse(path, text)
+    while len(_PARSED) > _KEPT:
+        _PARSED.popitem(last=False)
+    return source
+
+
+def _statements_of(body: Iterable[cst.CSTNode], nodes: list[ast.stmt]) -> list[ast.stmt]:
+    """The first ast statement of each libcst statement (a line `a = 1; b = 2` is one
+    libcst statement and two ast ones)."""
+    found: list[ast.stmt] = []
+    index = 0
+    for statement in body:
+        if index >= len(nodes):
+            break
+        found.append(nodes[index])
+        index += len(statement.body) if isinstance(statement, cst.SimpleStatementLine) else 1
+    return found
+
+
+def _starts(body: Sequence[cst.CSTNode], nodes: list[ast.stmt]) -> dict[cst.CSTNode, int] | None:
+    """Each statement of a libcst body -> the line its leading comments start on, from the
+    ast body beside it; None if the two do not line up."""
+    firsts = _statements_of(body, nodes)
+    if len(firsts) != len(body):
+        return None
+    starts: dict[cst.CSTNode, int] = {}
+    for statement, node in zip(body, firsts, strict=True):
+        line = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        starts[statement] = line - len(getattr(statement, "leading_lines", ()))
+    return starts
 
 
 def expression_form(code: str) -> str | None:
@@ -237,7 +328,7 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
 
     def walk(body: Iterable[cst.CSTNode], path: tuple[str, ...], top: cst.CSTNode) -> None:
         for node in body:
-            top = node if node in source.tops else top
+            top = node if source.is_unit(node) else top
             inner = path
             if isinstance(node, cst.FunctionDef | cst.ClassDef):
                 inner = (*path, node.name.value)

@@ -17,7 +17,7 @@ import libcst as cst
 
 from sm120fork.intent import edits
 from sm120fork.intent.freenames import stored
-from sm120fork.intent.locate import Source, may_hold, scopes, within
+from sm120fork.intent.locate import Source, may_hold, parsed, scopes, within
 from sm120fork.intent.model import Edit, Intent
 from sm120fork.intent.present import present
 
@@ -47,7 +47,7 @@ class _Tree:
             if text is None or not may_hold(edit, text):
                 continue
             if path not in self.sources:
-                self.sources[path] = Source.parse(path, text)
+                self.sources[path] = parsed(path, text)
             source = self.sources[path]
             if source is not None:
                 found.extend((source, node) for node in scopes(source, edit))
