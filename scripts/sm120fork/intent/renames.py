@@ -11,16 +11,20 @@ aside). The intent is then read with the new name, and the rename is said.
 from __future__ import annotations
 
 import ast
+import builtins
+import keyword
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from sm120fork.intent.model import Edit, Intent
 
+_NOT_FUNCTIONS = set(dir(builtins)) | set(keyword.kwlist)
+
 # function names -> the modules that define each (a name defined nowhere is left out)
 Defining = Callable[[Iterable[str]], dict[str, list[str]]]
 Reader = Callable[[str], "str | None"]  # a path -> its text
-_CALLED = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
+_CALLED = re.compile(r"(?<![.\w])([A-Za-z_]\w*)\s*\(")  # a plain call, not `x.f(`
 _TEXTS = ("name", "target", "code", "within", "holding", "comment")
 
 
@@ -79,12 +83,13 @@ def said(renames: dict[str, str]) -> str:
 
 
 def _called(intent: Intent) -> set[str]:
+    """The functions the intent calls by name (builtins and keywords aside)."""
     return {
         match.group(1)
         for edit in intent.edits
         for key in _TEXTS
         for match in _CALLED.finditer(getattr(edit, key))
-    }
+    } - _NOT_FUNCTIONS
 
 
 def _renamed_to(name: str, before: str | None, after: str | None) -> str | None:

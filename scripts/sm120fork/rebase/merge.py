@@ -108,12 +108,20 @@ def _reapplied(ctx: CarryContext) -> tuple[Reapplied | None, dict[str, str]]:
         file = root / path
         return file.read_text("utf-8") if file.is_file() else None
 
+    files = [p for p in ctx.repo.files() if p.endswith(".py")]
+    verdict = reapply(ctx.intent, read, files)
+    if verdict.status != "not-found":
+        return verdict, {}
+    # Its code is not where it was: perhaps upstream renamed a function it calls (two
+    # `git grep`s, so only now).
     old, new = _lookup(ctx, ctx.previous), _lookup(ctx, ctx.target.base_commit)
     intent, renamed = renames.follow(ctx.intent, old, new)
-    verdict = reapply(intent, read, [p for p in ctx.repo.files() if p.endswith(".py")])
-    if not renamed or verdict.status not in ("upstreamed", "resolved"):
+    if not renamed:
         return verdict, {}
-    return replace(verdict, detail=f"{verdict.detail} ({renames.said(renamed)})"), renamed
+    followed = reapply(intent, read, files)
+    if followed.status not in ("upstreamed", "resolved"):
+        return verdict, {}
+    return replace(followed, detail=f"{followed.detail} ({renames.said(renamed)})"), renamed
 
 
 def _lookup(ctx: CarryContext, commit: str) -> tuple[renames.Defining, renames.Reader]:
