@@ -62,6 +62,8 @@ def test_without_a_view_fields_are_read_from_the_first_parameter() -> None:
         ("x = self.get_attention_backends()[0]\n", "other than to read or set a field"),
         ("self.page_size += 1\n", "other than to read or set a field"),
         ("self.items[0] = 1\n", "other than to read or set a field"),
+        ("a = self.x = 1\n", "other than to read or set a field"),
+        ("self.x: int = 1\n", "other than to read or set a field"),
     ],
 )
 def test_code_whose_meaning_would_change_is_left_for_a_person(code: str, why: str) -> None:

@@ -160,6 +160,12 @@ def _self_uses(code: str) -> list[_Use] | None:
         )
         if after is not None and after.string in _AUGMENTED:
             return None  # `self.x += 1` reads and sets it
+        if (
+            after is not None
+            and after.string in ("=", ":")
+            and not (starts and after.string == "=")
+        ):
+            return None  # `a = self.x = v`, `self.x: int = v`: not one plain field set
         write = starts and after is not None and after.string == "="
         uses.append((name.string, token.start[0], token.start[1], write))
     return uses
