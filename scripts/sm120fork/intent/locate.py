@@ -43,29 +43,41 @@ class Source:
     positions: dict[cst.CSTNode, Span] = field(default_factory=dict)
     _focused: set[int] = field(default_factory=set)
     _forms: dict[int, str | None] = field(default_factory=dict)
+    _stubbed: set[int] = field(default_factory=set)  # units parsed with `...` as body
+    _whole: bool = True  # every unit parsed as the file has it
 
     @classmethod
-    def parse(cls, path: str, text: str) -> Source | None:
+    def parse(cls, path: str, text: str, keep: frozenset[str] | None = None) -> Source | None:
+        """`text` parsed; with `keep`, only the functions whose text names one of `keep`
+        are parsed whole, the others with their body as `...` (`_skeleton`): libcst
+        builds a node for every token, and ServerArgs' 8000 lines took a second a
+        parse, once per patch of a rebase."""
         try:
-            module, tree = cst.parse_module(text), ast.parse(text)
+            tree = ast.parse(text)
+            skeleton, stubs = _skeleton(text, tree, keep) if keep is not None else (text, set())
+            module = cst.parse_module(skeleton)
         except (cst.ParserSyntaxError, SyntaxError, ValueError):
             return None
-        tops = _starts(module.body, tree.body)
-        if tops is None:
+        top_starts = _starts(module.body, tree.body)
+        if top_starts is None:
             return None
+        tops = {statement: line for statement, _, line in top_starts}
+        stubbed = {id(statement) for statement, node, _ in top_starts if id(node) in stubs}
         members: dict[cst.CSTNode, tuple[int, cst.CSTNode]] = {}
-        for statement, node in zip(
-            module.body, _statements_of(module.body, tree.body), strict=True
-        ):
+        for statement, node, _ in top_starts:
             body = getattr(statement, "body", None)
             if isinstance(statement, cst.ClassDef) and isinstance(body, cst.IndentedBlock):
                 assert isinstance(node, ast.ClassDef)
-                inner = _starts(body.body, node.body) or {}
-                members |= {member: (line, statement) for member, line in inner.items()}
+                for member, inner, at in _starts(body.body, node.body) or []:
+                    members[member] = (at, statement)
+                    stubbed |= {id(member)} if id(inner) in stubs else set()
         starts = [0]
         for line in text.split("\n"):
             starts.append(starts[-1] + len(line) + 1)
-        return cls(path, text, module, tree, tops, members, starts)
+        source = cls(path, text, module, tree, tops, members, starts)
+        source._stubbed = stubbed
+        source._whole = not stubs
+        return source
 
     def is_unit(self, node: cst.CSTNode) -> bool:
         """Whether `focus` takes `node` (a top-level statement or a class's statement)."""
@@ -75,6 +87,8 @@ class Source:
         """Positions for everything inside `unit` (see `is_unit`)."""
         if id(unit) in self._focused:
             return
+        if id(unit) in self._stubbed:
+            raise ValueError(f"{self.path}: asked for positions in code not parsed")
         self._focused.add(id(unit))
         alone = cst.Module(
             body=[unit],  # type: ignore[list-item]
@@ -83,12 +97,14 @@ class Source:
         )
         if unit in self.tops:
             first, columns = self.tops[unit], None
+            if not self._whole and self._indents(alone.code, first) is None:
+                raise ValueError(f"{self.path}: positions do not match the file")  # a bug
         else:
             first, owner = self.members[unit]
             columns = self._indents(alone.code, first)
             if columns is None:  # not rendered as the file has it: the whole class
                 self._focused.discard(id(unit))
-                self.focus(owner)
+                self.focus(owner)  # (which a skeleton refuses: it is not the file's)
                 return
         shift = first - 1
         for node, where in (
@@ -155,18 +171,19 @@ class Source:
         return self._forms[key]
 
 
-_PARSED: OrderedDict[tuple[str, str], Source | None] = OrderedDict()
+_PARSED: OrderedDict[tuple[str, str, frozenset[str] | None], Source | None] = OrderedDict()
 _KEPT = 24  # modules: a rebase re-reads the same few (server_args.py is 40 MB parsed)
 
 
-def parsed(path: str, text: str) -> Source | None:
-    """`Source.parse`, once per module text in a process: a rebase re-applies each
-    patch's intent, and `check` each intent, to mostly the same unchanged modules."""
-    key = (path, text)
+def parsed(path: str, text: str, keep: frozenset[str] | None = None) -> Source | None:
+    """`Source.parse`, once per module text (and `keep`) in a process: a rebase
+    re-applies each patch's intent, and `check` each intent, to mostly the same
+    unchanged modules."""
+    key = (path, text, keep)
     if key in _PARSED:
         _PARSED.move_to_end(key)
         return _PARSED[key]
-    source = _PARSED[key] = Source.parse(path, text)
+    source = _PARSED[key] = Source.parse(path, text, keep)
     while len(_PARSED) > _KEPT:
         _PARSED.popitem(last=False)
     return source
@@ -185,17 +202,52 @@ def _statements_of(body: Iterable[cst.CSTNode], nodes: list[ast.stmt]) -> list[a
     return found
 
 
-def _starts(body: Sequence[cst.CSTNode], nodes: list[ast.stmt]) -> dict[cst.CSTNode, int] | None:
-    """Each statement of a libcst body -> the line its leading comments start on, from the
-    ast body beside it; None if the two do not line up."""
+def _starts(
+    body: Sequence[cst.CSTNode], nodes: list[ast.stmt]
+) -> list[tuple[cst.CSTNode, ast.stmt, int]] | None:
+    """Each statement of a libcst body, the ast statement it begins with, and the line its
+    leading comments start on; None if the two bodies do not line up."""
     firsts = _statements_of(body, nodes)
     if len(firsts) != len(body):
         return None
-    starts: dict[cst.CSTNode, int] = {}
+    starts = []
     for statement, node in zip(body, firsts, strict=True):
         line = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
-        starts[statement] = line - len(getattr(statement, "leading_lines", ()))
+        starts.append((statement, node, line - len(getattr(statement, "leading_lines", ()))))
     return starts
+
+
+def _skeleton(text: str, tree: ast.Module, keep: frozenset[str]) -> tuple[str, set[int]]:
+    """`text` with the body of each top-level function and class method that names none
+    of `keep` replaced by one `...` line, and the ids of those functions' ast nodes.
+    Only lines of bodies change, so every statement around them is the same, and
+    their order; positions come from the file's own lines (Source.focus checks)."""
+    if "\r" in text:
+        return text, set()
+    lines = text.split("\n")
+    cuts: list[tuple[int, int, str]] = []
+    stubs: set[int] = set()
+    units = [*tree.body]
+    units += [m for node in tree.body if isinstance(node, ast.ClassDef) for m in node.body]
+    for node in units:
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or not node.end_lineno:
+            continue
+        first = node.body[0]
+        line = lines[first.lineno - 1]
+        if first.lineno == node.lineno or line[: first.col_offset].strip():
+            continue  # the body starts on a line of the header
+        unit = "\n".join(lines[min_line(node) - 1 : node.end_lineno])
+        if any(name in unit for name in keep):
+            continue
+        cuts.append((first.lineno - 1, node.end_lineno - 1, line[: first.col_offset]))
+        stubs.add(id(node))
+    for start, end, indent in sorted(cuts, reverse=True):
+        lines[start : end + 1] = [f"{indent}..."]
+    return "\n".join(lines), stubs
+
+
+def min_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
 
 
 def expression_form(code: str) -> str | None:

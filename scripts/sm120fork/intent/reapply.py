@@ -32,8 +32,14 @@ class Reapplied:
 class _Tree:
     """The candidate files, read and parsed once, searched by each edit's scope."""
 
-    def __init__(self, read: Callable[[str], str | None], candidates: Iterable[str]) -> None:
+    def __init__(
+        self,
+        read: Callable[[str], str | None],
+        candidates: Iterable[str],
+        keep: frozenset[str] | None,
+    ) -> None:
         self.read = read
+        self.keep = keep
         self.paths = list(dict.fromkeys(candidates))
         self.texts: dict[str, str | None] = {}
         self.sources: dict[str, Source | None] = {}
@@ -47,7 +53,7 @@ class _Tree:
             if text is None or not may_hold(edit, text):
                 continue
             if path not in self.sources:
-                self.sources[path] = parsed(path, text)
+                self.sources[path] = parsed(path, text, self.keep)
             source = self.sources[path]
             if source is not None:
                 found.extend((source, node) for node in scopes(source, edit))
@@ -58,7 +64,7 @@ def reapply(
     intent: Intent, read: Callable[[str], str | None], candidates: Iterable[str]
 ) -> Reapplied:
     """Find each edit's scope among `candidates` (any module) and make the edits there."""
-    tree = _Tree(read, candidates)
+    tree = _Tree(read, candidates, _scope_names(intent))
     planned: dict[str, tuple[Source, list[edits.Splice]]] = {}
     already: list[str] = []
     adaptations: list[str] = []
@@ -99,6 +105,17 @@ def reapply(
 
 # where, what is already there, the splices, how the code was adapted to the place
 Fit = tuple[Source, str, list[edits.Splice], str]
+
+
+def _scope_names(intent: Intent) -> frozenset[str] | None:
+    """What the edits' scopes are found by (a function's own name, a model
+    architecture, a module's name): a function whose text names none of them cannot
+    hold an edit, and is parsed as a skeleton (locate.Source.parse). None (parse
+    whole) for an intent that edits a class's own statements, whose positions are
+    worked out for the whole class."""
+    if any(edit.scope == "class" for edit in intent.edits):
+        return None
+    return frozenset(edit.name.rsplit(".", 1)[-1] for edit in intent.edits)
 
 
 def _introduced(intent: Intent) -> frozenset[str]:
