@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import textwrap
 
+import libcst as cst
 import pytest
 import tomllib
 from sm120fork.errors import FatalError
+from sm120fork.intent.locate import Source
 from sm120fork.intent.model import parse_intent
 from sm120fork.intent.reapply import Reapplied, reapply
 
@@ -403,3 +405,41 @@ def test_a_method_is_edited_where_the_file_has_it_whatever_its_lines_hold() -> N
     assert changed(source, edits) == textwrap.dedent(source).replace(
         "q(is_blackwell())", "q(is_sm120())"
     ).replace("            y()\n", "            y()\n            z()\n")
+
+
+def test_functions_that_cannot_hold_an_edit_are_parsed_as_skeletons() -> None:
+    """locate.Source.parse with `keep`: bodies of functions naming none of the scopes
+    become `...`; the edit still lands byte for byte where the file has it."""
+    source = textwrap.dedent('''\
+        def other():
+            """Doc."""
+            return {"a": 1}
+
+
+        class ServerArgs:
+            def unrelated(self):
+                x = 1
+                return x
+
+            def target(self):
+                if x:
+                    y()
+    ''')
+    parsed = Source.parse(PATH, HEADER + source, frozenset({"target"}))
+    assert parsed is not None
+    assert "return x" not in parsed.module.code and "return {" not in parsed.module.code
+    assert "y()" in parsed.module.code
+    [unrelated] = [
+        m for m in parsed.members if isinstance(m, cst.FunctionDef) and m.name.value == "unrelated"
+    ]
+    with pytest.raises(ValueError, match="not parsed"):
+        parsed.focus(unrelated)
+    edits = """
+        [[intent.edit]]
+        function = "ServerArgs.target"
+        insert_after = "y()"
+        code = "z()"
+    """
+    assert changed(source, edits) == source.replace(
+        "            y()\n", "            y()\n            z()\n"
+    )
