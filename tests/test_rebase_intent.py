@@ -8,7 +8,7 @@ import pytest
 import tomllib
 from forkrepo import edit
 from hermetic import git
-from intentcase import GLM_ONLY, IMPORTS, INTENT, INTENTS_TOML, SA
+from intentcase import GLM_ONLY, IMPORTS, INTENTS_TOML, SA
 from rebasefork import RebaseFork, make_rebase_fork
 from sm120fork.cli import main
 from sm120fork.intent.model import parse_intent
@@ -24,10 +24,23 @@ REFORMATTED = edit(
 
 
 def fork_with_intent(request: pytest.FixtureRequest, after: str) -> RebaseFork:
-    patched = reapply(INTENT, {SA: ORIGINAL}.get, [SA]).changes[SA]
-    versions = {"v0.5.9": {SA: ORIGINAL}, "v0.5.10": {SA: after}}
-    fork = make_rebase_fork(request, versions, [(INTENT.patch, [(SA, ORIGINAL, patched)])])
-    (fork.root / "patches/intents.toml").write_text(INTENTS_TOML)
+    return fork_declaring(request, {"v0.5.9": {SA: ORIGINAL}, "v0.5.10": {SA: after}}, INTENTS_TOML)
+
+
+def fork_declaring(
+    request: pytest.FixtureRequest,
+    versions: dict[str, dict[str, str]],
+    intents_toml: str,
+) -> RebaseFork:
+    """A fork whose one patch is what its intent makes on the first release."""
+    raw = tomllib.loads(intents_toml)["intent"][0]
+    intent = parse_intent(raw, "test")
+    first = next(iter(versions.values()))
+    made = reapply(intent, first.get, sorted(first))
+    assert made.status == "resolved", made.detail
+    edits = [(path, first[path], text) for path, text in made.changes.items()]
+    fork = make_rebase_fork(request, versions, [(raw["patch"], edits)])
+    (fork.root / "patches/intents.toml").write_text(intents_toml)
     git("add", "-A", ".", cwd=fork.root)
     git("commit", "-q", "-m", "declare the intent", cwd=fork.root)
     return fork
@@ -95,12 +108,8 @@ def test_gate_moved_to_another_file_is_resolved_there(
     request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
 ) -> None:
     emptied = edit(ORIGINAL, ORIGINAL[ORIGINAL.index("        if model_arch") :], "        pass\n")
-    patched = reapply(INTENT, {SA: ORIGINAL}.get, [SA]).changes[SA]
     versions = {"v0.5.9": {SA: ORIGINAL}, "v0.5.10": {SA: emptied, MOVED_TO: MOVED}}
-    fork = make_rebase_fork(request, versions, [(INTENT.patch, [(SA, ORIGINAL, patched)])])
-    (fork.root / "patches/intents.toml").write_text(INTENTS_TOML)
-    git("add", "-A", ".", cwd=fork.root)
-    git("commit", "-q", "-m", "declare the intent", cwd=fork.root)
+    fork = fork_declaring(request, versions, INTENTS_TOML)
     result = fork.rebase("v0.5.10")
     assert result.returncode == 0, result.stderr
     [patch] = fork.report()["patches"]
@@ -152,25 +161,6 @@ OLMO_PASS = textwrap.dedent("""\
 """)
 
 
-def _fork_declaring(
-    request: pytest.FixtureRequest,
-    versions: dict[str, dict[str, str]],
-    intents_toml: str,
-) -> RebaseFork:
-    """A fork whose one patch is its intent made on the first release."""
-    name = tomllib.loads(intents_toml)["intent"][0]["patch"]
-    intent = parse_intent(tomllib.loads(intents_toml)["intent"][0], "test")
-    first = next(iter(versions.values()))
-    made = reapply(intent, first.get, sorted(first))
-    assert made.status == "resolved", made.detail
-    edits = [(path, first[path], text) for path, text in made.changes.items()]
-    fork = make_rebase_fork(request, versions, [(name, edits)])
-    (fork.root / "patches/intents.toml").write_text(intents_toml)
-    git("add", "-A", ".", cwd=fork.root)
-    git("commit", "-q", "-m", "declare the intent", cwd=fork.root)
-    return fork
-
-
 def test_a_serverargs_gate_moved_into_an_override_pass_is_written_in_its_form(
     request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -183,7 +173,7 @@ def test_a_serverargs_gate_moved_into_an_override_pass_is_written_in_its_form(
         "v0.5.9": {SA: OLMO_METHOD},
         "v0.5.10": {SA: moved_out, OLMO_PASS_PATH: OLMO_PASS},
     }
-    fork = _fork_declaring(request, versions, OLMO_TOML)
+    fork = fork_declaring(request, versions, OLMO_TOML)
     result = fork.rebase("v0.5.10")
     assert result.returncode == 0, result.stderr
     [patch] = fork.report()["patches"]
@@ -235,7 +225,7 @@ def test_an_intent_follows_a_function_upstream_renamed(
         "v0.5.9": {SA: NSA_ARGS, CONFIGS: NSA_CONFIGS},
         "v0.5.10": {SA: dsa_args, CONFIGS: NSA_CONFIGS.replace("_nsa", "_dsa")},
     }
-    fork = _fork_declaring(request, versions, NSA_TOML)
+    fork = fork_declaring(request, versions, NSA_TOML)
     result = fork.rebase("v0.5.10")
     assert result.returncode == 0, result.stderr
     [patch] = fork.report()["patches"]
