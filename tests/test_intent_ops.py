@@ -9,9 +9,9 @@ import libcst as cst
 import pytest
 import tomllib
 from sm120fork.errors import FatalError
-from sm120fork.intent.locate import Source
 from sm120fork.intent.model import parse_intent
 from sm120fork.intent.reapply import Reapplied, reapply
+from sm120fork.intent.source import Source
 
 PATH = "python/sglang/srt/mod.py"
 # What the snippets' new code reads (an edit whose code reads an unbound name does

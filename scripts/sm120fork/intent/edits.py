@@ -16,15 +16,9 @@ import libcst as cst
 from sm120fork.intent import passform
 from sm120fork.intent.archform import spelled_for
 from sm120fork.intent.freenames import unbound
-from sm120fork.intent.locate import (
-    Block,
-    Source,
-    expression_form,
-    expressions,
-    statement_matcher,
-    statements,
-)
+from sm120fork.intent.locate import Block, expressions, statement_matcher, statements
 from sm120fork.intent.model import Edit
+from sm120fork.intent.source import Source, expression_form
 from sm120fork.intent.text import (
     blank_lines,
     block_text,

@@ -18,15 +18,9 @@ from sm120fork.gates.semantics import HELPERS
 from sm120fork.intent import archexpr
 from sm120fork.intent.archform import needs_no_import
 from sm120fork.intent.edits import Missing, alias_name, one
-from sm120fork.intent.locate import (
-    Source,
-    expression_form,
-    expressions,
-    statement_form,
-    statement_matcher,
-    statements,
-)
+from sm120fork.intent.locate import expressions, statement_matcher, statements
 from sm120fork.intent.model import Edit
+from sm120fork.intent.source import Source, expression_form, statement_form
 from sm120fork.intent.text import first_statement
 
 

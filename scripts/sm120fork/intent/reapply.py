@@ -17,9 +17,10 @@ import libcst as cst
 
 from sm120fork.intent import edits
 from sm120fork.intent.freenames import stored
-from sm120fork.intent.locate import Source, may_hold, parsed, scopes, within
+from sm120fork.intent.locate import may_hold, scopes, within
 from sm120fork.intent.model import Edit, Intent
 from sm120fork.intent.present import present
+from sm120fork.intent.source import Source, parsed
 
 
 @dataclass(frozen=True)
