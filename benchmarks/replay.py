@@ -247,7 +247,8 @@ def main() -> int:
         if found is not None:
             stop["class"], stop["note"] = found[0]["class"], found[0]["note"]
     rows = verify(fork, args.to) if args.verify and data["result"] == "complete" else None
-    paths = replay_report.write(args.out, BASE, args.to, data, stops, seconds, rows)
+    result = replay_report.build(BASE, args.to, data, stops, seconds, rows)
+    paths = replay_report.write(args.out, result)
     say(f"{data['result']}: {len(stops)} stops for a person in {seconds:.0f} s; {paths}")
     if data["result"] == "conflict":
         version, patch = stopped_at(data)

@@ -120,18 +120,10 @@ def _cell(patch: dict[str, Any] | None) -> str:
     return f"{patch['status']} ({patch['strategy']})"
 
 
-def write(
-    out: Path,
-    base: str,
-    to: str,
-    data: dict[str, Any],
-    stops: list[dict[str, Any]],
-    seconds: float,
-    rows: dict[str, Any] | None = None,
-) -> str:
-    result = build(base, to, data, stops, seconds, rows)
+def write(out: Path, result: dict[str, Any]) -> str:
+    """`result` (what `build` gives) as <out>/replay-<from>-to-<to>.{json,md}."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"replay-{base}-to-{to}"
+    stem = out / f"replay-{result['from']}-to-{result['to']}"
     Path(f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     Path(f"{stem}.md").write_text(markdown(result))
     return f"{stem}.json, {stem}.md"

@@ -203,14 +203,20 @@ FUNCTION = (
 OLMO2 = "python/sglang/srt/arg_groups/model_overrides/olmo2.py"
 
 
+def _olmo2_moved(imports: str, function: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(0.5.9, 0.5.10): FUNCTION in server_args.py, then `function` in its own module."""
+    v9 = edited(BASE, (SA, "x_70 = 70\n", FUNCTION))
+    v10 = edited(v9, (SA, FUNCTION, "x_70 = 70\n"))
+    v10[OLMO2] = f"from h import {imports}\n\n\n{function}"
+    return v9, v10
+
+
 def test_a_function_upstream_moved_and_edited_gets_the_patch_merged_into_it(
     request: pytest.FixtureRequest,
 ) -> None:
     # 0.5.19: Olmo2's override moved to its own module, and changed as it went.
-    v9 = edited(BASE, (SA, "x_70 = 70\n", FUNCTION))
-    v10 = edited(v9, (SA, FUNCTION, "x_70 = 70\n"))
     moved = FUNCTION.replace("(args):\n", "(args):\n    log()\n")
-    v10[OLMO2] = "from h import a, b, log, sm120\n\n\n" + moved
+    v9, v10 = _olmo2_moved("a, b, log, sm120", moved)
     sm120 = '        r = "trtllm"\n    elif sm120():\n        r = "triton"\n'
     series = [("0001-a.patch", [(SA, '        r = "trtllm"\n', sm120)])]
     fork, patch = _carry(request, v10, series, v9)
@@ -224,10 +230,8 @@ def test_a_moved_function_whose_lines_the_patch_and_upstream_both_changed_is_a_j
     request: pytest.FixtureRequest,
 ) -> None:
     # 0.5.15: the moved code returns overrides instead of setting fields.
-    v9 = edited(BASE, (SA, "x_70 = 70\n", FUNCTION))
-    v10 = edited(v9, (SA, FUNCTION, "x_70 = 70\n"))
     returned = FUNCTION.replace('r = "trtllm"', 'return {"backend": "trtllm"}')
-    v10[OLMO2] = "from h import a, b, sm120\n\n\n" + returned
+    v9, v10 = _olmo2_moved("a, b, sm120", returned)
     sm120 = '        r = "triton" if sm120() else "trtllm"\n'
     series = [("0001-a.patch", [(SA, '        r = "trtllm"\n', sm120)])]
     _, patch = _carry(request, v10, series, v9)

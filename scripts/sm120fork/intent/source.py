@@ -17,6 +17,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 from sm120fork.intent.archform import canonical
+from sm120fork.intent.freenames import first_line
 
 Span = tuple[int, int, int, int]  # start line, start column, end line, end column
 
@@ -37,11 +38,12 @@ class Source:
     tops: dict[cst.CSTNode, int]  # top-level statement -> the line its code starts on
     members: dict[cst.CSTNode, tuple[int, cst.CSTNode]]  # class statement -> (line, class)
     line_starts: list[int] = field(default_factory=list)
+    # Units not parsed as the file has them: a function with `...` as its body, a class
+    # holding one; `focus` refuses them.
+    stubbed: frozenset[int] = frozenset()
     positions: dict[cst.CSTNode, Span] = field(default_factory=dict)
     _focused: set[int] = field(default_factory=set)
     _forms: dict[int, str | None] = field(default_factory=dict)
-    _stubbed: set[int] = field(default_factory=set)  # units parsed with `...` as body
-    _whole: bool = True  # every unit parsed as the file has it
 
     @classmethod
     def parse(cls, path: str, text: str, keep: frozenset[str] | None = None) -> Source | None:
@@ -67,14 +69,12 @@ class Source:
                 assert isinstance(node, ast.ClassDef)
                 for member, inner, at in _starts(body.body, node.body) or []:
                     members[member] = (at, statement)
-                    stubbed |= {id(member)} if id(inner) in stubs else set()
+                    if id(inner) in stubs:
+                        stubbed |= {id(member), id(statement)}
         starts = [0]
         for line in text.split("\n"):
             starts.append(starts[-1] + len(line) + 1)
-        source = cls(path, text, module, tree, tops, members, starts)
-        source._stubbed = stubbed
-        source._whole = not stubs
-        return source
+        return cls(path, text, module, tree, tops, members, starts, frozenset(stubbed))
 
     def is_unit(self, node: cst.CSTNode) -> bool:
         """Whether `focus` takes `node` (a top-level statement or a class's statement)."""
@@ -84,7 +84,7 @@ class Source:
         """Positions for everything inside `unit` (see `is_unit`)."""
         if id(unit) in self._focused:
             return
-        if id(unit) in self._stubbed:
+        if id(unit) in self.stubbed:
             raise ValueError(f"{self.path}: asked for positions in code not parsed")
         self._focused.add(id(unit))
         alone = cst.Module(
@@ -92,10 +92,8 @@ class Source:
             default_indent=self.module.default_indent,
             default_newline=self.module.default_newline,
         )
-        if unit in self.tops:
+        if unit in self.tops:  # rendered alone exactly as the file has it
             first, columns = self.tops[unit], None
-            if not self._whole and self._indents(alone.code, first) is None:
-                raise ValueError(f"{self.path}: positions do not match the file")  # a bug
         else:
             first, owner = self.members[unit]
             columns = self._indents(alone.code, first)
@@ -108,19 +106,14 @@ class Source:
             MetadataWrapper(alone, unsafe_skip_copy=True).resolve(PositionProvider).items()
         ):
             start, end = where.start, where.end
-            if columns is None:
-                self.positions[node] = (
-                    start.line + shift,
-                    start.column,
-                    end.line + shift,
-                    end.column,
-                )
-                continue
+            into, out_of = (
+                (0, 0) if columns is None else (columns[start.line - 1], columns[end.line - 1])
+            )
             self.positions[node] = (
                 start.line + shift,
-                start.column + columns[start.line - 1],
+                start.column + into,
                 end.line + shift,
-                end.column + columns[end.line - 1],
+                end.column + out_of,
             )
 
     def _indents(self, rendered: str, first: int) -> list[int] | None:
@@ -233,7 +226,7 @@ def _skeleton(text: str, tree: ast.Module, keep: frozenset[str]) -> tuple[str, s
         line = lines[first.lineno - 1]
         if first.lineno == node.lineno or line[: first.col_offset].strip():
             continue  # the body starts on a line of the header
-        unit = "\n".join(lines[min_line(node) - 1 : node.end_lineno])
+        unit = "\n".join(lines[first_line(node) - 1 : node.end_lineno])
         if any(name in unit for name in keep):
             continue
         cuts.append((first.lineno - 1, node.end_lineno - 1, line[: first.col_offset]))
@@ -241,10 +234,6 @@ def _skeleton(text: str, tree: ast.Module, keep: frozenset[str]) -> tuple[str, s
     for start, end, indent in sorted(cuts, reverse=True):
         lines[start : end + 1] = [f"{indent}..."]
     return "\n".join(lines), stubs
-
-
-def min_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
 
 
 def expression_form(code: str) -> str | None:
