@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from forkrepo import make_patch
 from rebasefork import BASE, COMM, SA, RebaseFork, edited, make_rebase_fork
+from sm120fork.gates.semantics import HELPER_FACTS as FACTS
 from sm120fork.patches.patchfile import PatchFile, parse_patch
 from sm120fork.rebase import strategy
-from sm120fork.rebase.platformhelper import FACTS
 from sm120fork.rebase.resolutions import resolve_block
 
 OVERRIDES = "python/sglang/srt/arg_groups/overrides.py"

@@ -84,6 +84,8 @@ PLATFORM_FACTS: dict[str, str] = {
     "is_blackwell": "is_blackwell_supported",
     "is_hopper_with_cuda_12_3": "is_hopper_with_cuda_12_3",
 }
+# ... and back: the helper -> the platform fact that stands for it.
+HELPER_FACTS: dict[str, str] = {helper: fact for fact, helper in PLATFORM_FACTS.items()}
 
 # Helper families the brief names; a member with no entry above is still an
 # architecture gate, evaluated as "depends" on itself and reported.

@@ -12,8 +12,7 @@ import re
 
 from sm120fork.gates import semantics
 
-# get_platform().<fact> -> the helper it stands for, and back.
-_FACT_OF = {helper: fact for fact, helper in semantics.PLATFORM_FACTS.items()}
+_FACT_OF = semantics.HELPER_FACTS  # helper -> the get_platform() fact for it
 _PROBES = set(semantics.PLATFORM_PROBES)
 
 

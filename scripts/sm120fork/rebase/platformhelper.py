@@ -18,13 +18,12 @@ import ast
 import re
 from dataclasses import replace
 
-from sm120fork.gates.semantics import PLATFORM_FACTS
+from sm120fork.gates.semantics import HELPER_FACTS as FACTS
 from sm120fork.patches.applier import write_changes
 from sm120fork.rebase.names import Breakage, broken_lines
 from sm120fork.rebase.strategy import CarriedPatch, CarryContext, Outcome, finish
 
 NAME = "platform-helper"
-FACTS = {helper: fact for fact, helper in PLATFORM_FACTS.items()}  # helper -> its fact
 _UNDEFINED = re.compile(r"^undefined name `(\w+)`$")
 
 
