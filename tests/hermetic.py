@@ -12,8 +12,9 @@ test modules make at import time, before any fixture runs, are sealed as well.
 pip's own configuration is kept (copied into the new HOME) and so is its cache:
 which package index to use is this machine's business, as for the tool itself,
 and the network tests would otherwise download every wheel again. So is the
-gate-scan cache (`SM120FORK_GATE_SCAN_CACHE`): its entries are named by the
-scanned files' contents and the scanner's own source, so none can be stale.
+gate-scan cache (`SM120FORK_GATE_SCAN_CACHE`) and the intent-proof cache
+(`SM120FORK_INTENT_CACHE`): their entries are named by the files' contents and
+the tool's own source, so none can be stale.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Seal:
     root: Path  # a fresh directory holding the HOME and the two empty config files
     pip_cache: str | None  # the user's pip cache, unless pip is told where already
     scan_cache: str  # the user's gate-scan cache: keyed by content and scanner source
+    intent_cache: str  # the user's intent-proof cache: keyed by content and tool source
 
     @classmethod
     def create(cls, environ: Mapping[str, str]) -> Seal:
@@ -61,7 +63,10 @@ class Seal:
         scans = environ.get("SM120FORK_GATE_SCAN_CACHE") or str(
             cache.parent / "sglang-sm120" / "gate-scan"
         )
-        return cls(root, None if told else str(cache), scans)
+        proofs = environ.get("SM120FORK_INTENT_CACHE") or str(
+            cache.parent / "sglang-sm120" / "intent-proofs"
+        )
+        return cls(root, None if told else str(cache), scans, proofs)
 
     def variables(self) -> dict[str, str]:
         home = self.root / "home"
@@ -82,6 +87,7 @@ class Seal:
             "GIT_CONFIG_VALUE_0": "main",
             **({"PIP_CACHE_DIR": self.pip_cache} if self.pip_cache else {}),
             "SM120FORK_GATE_SCAN_CACHE": self.scan_cache,
+            "SM120FORK_INTENT_CACHE": self.intent_cache,
         }
 
     def env(self, base: Mapping[str, str]) -> dict[str, str]:

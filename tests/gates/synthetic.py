@@ -23,10 +23,24 @@ GIT_ENV = {
 Edit = Callable[[Path], None]
 
 
+def user_caches() -> dict[str, str]:
+    """The user's gate-scan and intent-proof caches, which a test's fresh HOME would
+    otherwise hide: their entries are named by the bytes they were made of and the
+    tool's own source, so none can be stale (as in tests/hermetic.py)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sglang-sm120"
+    return {
+        "SM120FORK_GATE_SCAN_CACHE": os.environ.get("SM120FORK_GATE_SCAN_CACHE")
+        or str(base / "gate-scan"),
+        "SM120FORK_INTENT_CACHE": os.environ.get("SM120FORK_INTENT_CACHE")
+        or str(base / "intent-proofs"),
+    }
+
+
 def run(
     cwd: Path, *args: str, home: Path, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     merged = {**os.environ, **GIT_ENV, "HOME": str(home), "PYTHONPATH": str(ROOT / "scripts")}
+    merged.update(user_caches())
     merged["SM120FORK_DATE"] = "2026-12-01"
     merged.update(env or {})
     return subprocess.run(args, cwd=cwd, env=merged, capture_output=True, text=True, check=False)

@@ -7,37 +7,31 @@ by a key over (the scanner's own source, the Python version, every file's
 path and the SHA-1 of its content, git's blob id): a scanner change, another
 Python or any changed byte is another key, so an entry is never stale.
 
-Entries are written to a temporary file and renamed into place, so concurrent
-writers of one key leave one whole entry. Each entry carries the SHA-256 of its
-payload; one that does not match, or does not load, is a miss and is replaced.
-The payload is a pickle: the directory is the user's own, as trusted as the
-environment that runs the tool.
+Entries live in a `cachedir.CacheDir` (atomic writes, checksummed payloads, the
+oldest pruned). The payload is a pickle: the directory is the user's own, as
+trusted as the environment that runs the tool.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import pickle
 import sys
 from functools import cache
 from pathlib import Path
 
-from sm120fork.fsutil import create_temporary
+from sm120fork.cachedir import CacheDir
 from sm120fork.gates.model import Inventory
 
 _MAGIC = b"sm120fork-gate-scan 1\n"
-_KEEP = 64  # entries; the oldest beyond that are removed when one is written
 _SCANNER = Path(__file__).resolve().parent  # the gates package: scan, evaluator, ...
+# `$SM120FORK_GATE_SCAN_CACHE` (the test suite's seal keeps the user's), else the
+# user's cache directory; 64 entries.
+_ENTRIES = CacheDir("gate-scan", "SM120FORK_GATE_SCAN_CACHE", _MAGIC, ".pickle", 64)
 
 
 def directory() -> Path:
-    """`$SM120FORK_GATE_SCAN_CACHE` (the test suite's seal keeps the user's), else the
-    user's cache directory."""
-    if chosen := os.environ.get("SM120FORK_GATE_SCAN_CACHE"):
-        return Path(chosen)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sglang-sm120" / "gate-scan"
+    return _ENTRIES.directory()
 
 
 @cache
@@ -64,14 +58,8 @@ def tree_key(files: list[tuple[str, str, int]]) -> str:
 
 
 def load(key: str) -> Inventory | None:
-    entry = directory() / f"{key}.pickle"
-    try:
-        raw = entry.read_bytes()
-    except OSError:
-        return None
-    head, _, rest = raw.partition(b"\n")
-    checksum, _, payload = rest.partition(b"\n")
-    if head + b"\n" != _MAGIC or checksum != hashlib.sha256(payload).hexdigest().encode():
+    payload = _ENTRIES.load(key)
+    if payload is None:
         return None
     try:
         found = pickle.loads(payload)
@@ -82,28 +70,4 @@ def load(key: str) -> Inventory | None:
 
 def store(key: str, inventory: Inventory) -> None:
     """Keep `inventory` under `key`; a cache that cannot be written is no error."""
-    folder = directory()
-    payload = pickle.dumps(inventory, protocol=pickle.HIGHEST_PROTOCOL)
-    checksum = hashlib.sha256(payload).hexdigest().encode()
-    try:
-        fd, temp = create_temporary(folder, key, ".tmp")
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(_MAGIC + checksum + b"\n" + payload)
-        temp.replace(folder / f"{key}.pickle")
-        _prune(folder)
-    except OSError:
-        temp.unlink(missing_ok=True)
-
-
-def _prune(folder: Path) -> None:
-    entries = []
-    for entry in folder.glob("*.pickle"):
-        try:
-            entries.append((entry.stat().st_mtime, entry))
-        except OSError:  # removed by another writer meanwhile
-            continue
-    for _, entry in sorted(entries, reverse=True)[_KEEP:]:
-        entry.unlink(missing_ok=True)
+    _ENTRIES.store(key, pickle.dumps(inventory, protocol=pickle.HIGHEST_PROTOCOL))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sm120fork.errors import FatalError
 from sm120fork.intent.model import Intent, load_intents
-from sm120fork.intent.reapply import reapply
+from sm120fork.intent.proofcache import reapply_kept
 from sm120fork.patches import dep3
 from sm120fork.patches.applier import ApplyError, Overlay, apply_patch
 from sm120fork.patches.gitobjects import Files
@@ -109,7 +109,7 @@ def _patch_findings(
         found: list[Finding] = []
         per_patch.append(found)
         intent = intents.get(patch.name)
-        recipe = reapply(intent, overlay.read, patch.paths) if intent else None
+        recipe = reapply_kept(intent, overlay.read, patch.paths) if intent else None
         before = {path: overlay.read(path) for path in patch.paths}
         try:
             apply_patch(overlay, patch)
