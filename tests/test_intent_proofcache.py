@@ -4,16 +4,18 @@ and a cache that cannot be written is no error."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from intentcase import INTENT, WITH_DEEPSEEK
 from sm120fork.intent import proofcache
+from sm120fork.intent.model import Intent
 from sm120fork.intent.reapply import Reapplied, reapply
 
 SERVER_ARGS = "python/sglang/srt/server_args.py"
-FILES = {SERVER_ARGS: WITH_DEEPSEEK}
+FILES: dict[str, str | None] = {SERVER_ARGS: WITH_DEEPSEEK}
 
 
 @pytest.fixture
@@ -22,7 +24,9 @@ def proofs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setenv("SM120FORK_INTENT_CACHE", str(tmp_path / "proofs"))
     made: list[str] = []
 
-    def counted(intent, read, candidates):  # type: ignore[no-untyped-def]
+    def counted(
+        intent: Intent, read: Callable[[str], str | None], candidates: Iterable[str]
+    ) -> Reapplied:
         paths = list(candidates)
         made.append(",".join(paths))
         return reapply(intent, read, paths)
@@ -31,7 +35,7 @@ def proofs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return made
 
 
-def _prove(files: dict[str, str | None] = FILES, intent=INTENT) -> Reapplied:  # type: ignore[no-untyped-def]
+def _prove(files: dict[str, str | None] = FILES, intent: Intent = INTENT) -> Reapplied:
     return proofcache.reapply_kept(intent, files.get, sorted(files))
 
 

@@ -115,7 +115,9 @@ def matrices(
     gate_archs: tuple[spec.Arch, ...],
 ) -> dict[str, runner.MatrixRun]:
     """Observe every tree on every architecture once per session (children in parallel),
-    counting the children done on the terminal (pytest's capture is off meanwhile)."""
+    counting the children done on the terminal (pytest's capture is off meanwhile).
+    The first tree's sm120 child (or its first architecture's) also runs in a fresh
+    interpreter, and must observe exactly what its zygote's fork did."""
     jobs = pytestconfig.getoption("--gate-jobs") or os.cpu_count() or 1
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
@@ -133,7 +135,13 @@ def matrices(
             scratch=tmp_path_factory.mktemp("gate-matrix"),
             jobs=jobs,
             on_done=on_done,
+            fresh_check=(next(iter(gate_trees)), _fresh_checked(gate_archs)),
         )
+
+
+def _fresh_checked(archs: tuple[spec.Arch, ...]) -> str:
+    names = [a.name for a in archs]
+    return "sm120" if "sm120" in names else names[0]
 
 
 @pytest.fixture

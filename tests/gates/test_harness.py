@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from .gate_harness import child, fakes, report, table
+from .gate_harness import child, fakes, report, runner, table
 
 
 @dataclasses.dataclass
@@ -215,3 +215,24 @@ def test_cells_judges_a_patch_s_rows_cell_by_cell(
         ("sm121", False, True),
     }
     assert all(c["row"] == rows[0].number and c["expects_raise"] is None for c in cells)
+
+
+def _arch_run(scenarios: dict[str, dict[str, Any]]) -> runner.ArchRun:
+    return runner.ArchRun("sm120", scenarios, {}, 1.0, Path("child.log"))
+
+
+def test_a_forked_child_that_observes_otherwise_is_named_field_by_field() -> None:
+    forked = _arch_run({"a": {"error": None, "moe": "cutlass"}, "b": {"error": None}})
+    fresh = _arch_run({"a": {"error": None, "moe": "trtllm"}, "b": {"error": None, "x": 1}})
+    assert runner._differences(forked, forked) == []
+    assert runner._differences(forked, fresh) == [
+        "a.moe: 'cutlass' forked, 'trtllm' fresh",
+        "b.x: None forked, 1 fresh",
+    ]
+
+
+def test_what_a_zygote_asked_the_fake_nvidia_smi_in_vain_fails_the_matrix(tmp_path: Path) -> None:
+    runner._refuse_unexpected_queries(tmp_path)  # nothing asked
+    (tmp_path / "nvidia-smi-unexpected.log").write_text("--query-gpu=clocks.max.sm\n")
+    with pytest.raises(runner.HarnessError, match=re.escape("clocks.max.sm")):
+        runner._refuse_unexpected_queries(tmp_path)

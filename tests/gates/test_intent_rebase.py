@@ -1,10 +1,13 @@
 """A rebase across a synthetic reformat and a synthetic move of the Glm4Moe gate ends
-`resolved` (an intent re-applied with libcst), and the gate table's Glm4Moe rows hold on
-the result, judged by the real sglang on faked sm100 and sm120.
+`resolved` (an intent re-applied with libcst), the Exaone override upstream moved into
+another module ends `resolved` there (issue 15's case (b)), and the gate table's rows of
+both hold on the result, judged by the real sglang on faked sm100, sm120 and sm121.
 
 Upstream here is a local git remote made from vendor/sglang: v0.5.23 as vendored,
 v0.5.24 with the gate in arg_groups/model_overrides/glm4_moe.py reformatted, v0.5.25
-with that override module renamed (as upstream moves overrides between releases).
+with that override module renamed and the Exaone override moved into gemma4.py (as
+upstream moves overrides between releases). One walk carries both cases: a rebase of
+the whole fork costs about half a minute.
 
 The fork's series no longer patches this gate (the generic sm120-nvfp4-moe-checkpoint.patch
 answers SM12x for every family), so the fork copy here appends a test-only patch derived
@@ -27,6 +30,8 @@ import pytest
 
 from . import synthetic
 from .gate_harness import runner, spec, table
+from .test_synthetic_releases import EXAONE
+from .test_synthetic_releases import move as move_exaone
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = "python/sglang/srt/arg_groups/model_overrides"
@@ -111,6 +116,7 @@ def _move(upstream: Path) -> None:
     assert IMPORT in init.read_text()
     init.write_text(init.read_text().replace(IMPORT, MOVED_IMPORT, 1))
     (upstream / GLM4).rename(upstream / MOVED_TO)
+    move_exaone(upstream)
 
 
 def _derived_patch(fork: Path, home: Path) -> str:
@@ -137,11 +143,14 @@ def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ob
 
     fork = tmp / "fork"
     fork.mkdir()
-    for name in ("vendor", "patches", "CHANGELOG.md"):
+    for name in ("vendor", "patches", "tests", "pyproject.toml", "CHANGELOG.md"):
         source = ROOT / name
-        copy = shutil.copytree if source.is_dir() else shutil.copy
-        copy(source, fork / name)
-    (fork / "patches" / "intents.toml").write_text(RECIPE)
+        if source.is_dir():
+            shutil.copytree(source, fork / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, fork / name)
+    with (fork / "patches" / "intents.toml").open("a", encoding="utf-8") as intents:
+        intents.write("\n" + RECIPE)
     (fork / "patches" / PATCH).write_text(_derived_patch(fork, home))
     with (fork / "patches" / "series").open("a", encoding="utf-8") as series:
         series.write(f"{PATCH}\n")
@@ -149,7 +158,7 @@ def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ob
     for command in ("refresh", "check"):
         ran = _run(fork, *python, command, home=home)
         assert ran.returncode == 0, ran.stdout + ran.stderr
-    (fork / ".gitignore").write_text("/build/\n")
+    (fork / ".gitignore").write_text("/build/\n__pycache__/\n")
     synthetic.git(fork, "init", "-q", ".", home=home)
     synthetic.commit_all(fork, "the fork at 0.5.23", home)
     rebase = _run(
@@ -172,24 +181,37 @@ def test_the_moved_and_reformatted_gate_is_resolved_by_intent(
     assert [s["status"] for s in patches[PATCH]["steps"]] == ["resolved", "resolved"]
 
 
+def test_an_override_moved_to_another_module_is_resolved_there(
+    landed: tuple[Path, dict[str, object]],
+) -> None:
+    _, report = landed
+    patches = {p["name"]: p for p in report["patches"]}  # type: ignore[attr-defined]
+    assert patches[EXAONE]["status"] == "resolved", patches[EXAONE]
+    assert "gemma4.py" in patches[EXAONE]["detail"]
+    assert [s["status"] for s in patches[EXAONE]["steps"]] == ["clean", "resolved"]
+
+
 def test_gate_rows_hold_on_the_resolved_tree(
     landed: tuple[Path, dict[str, object]], tmp_path: Path
 ) -> None:
     tree, _ = landed
-    archs = [a for a in spec.load_archs() if a.name in ("sm100", "sm120")]
-    scenarios = [s for s in spec.load_scenarios().values() if s.name.startswith("glm4_moe")]
-    matrix = runner.run_matrices({"resolved": tree}, archs, scenarios, scratch=tmp_path)
-    observations = matrix["resolved"].observations
+    judged = ("sm100", "sm120", "sm121")
+    archs = [a for a in spec.load_archs() if a.name in judged]
     rows = [
         r
         for r in table.load_table([a.name for a in spec.load_archs()]).rows
-        if r.scenario.startswith("glm4_moe")
+        if r.scenario.startswith("glm4_moe") or r.patch == EXAONE
     ]
-    assert rows, "no expectation rows for the Glm4Moe scenarios"
+    assert any(r.patch == EXAONE for r in rows), f"no expectation rows name {EXAONE}"
+    assert any(r.scenario.startswith("glm4_moe") for r in rows), "no Glm4Moe rows"
+    named = {r.scenario for r in rows}
+    scenarios = [s for s in spec.load_scenarios().values() if s.name in named]
+    matrix = runner.run_matrices({"resolved": tree}, archs, scenarios, scratch=tmp_path)
+    observations = matrix["resolved"].observations
     wrong = [
         f"{row.label} {cell.arch}: expected {cell.expected!r}, observed {cell.observed!r}"
         for row in rows
         for cell in table.check_row(row, observations)
-        if cell.arch in ("sm100", "sm120") and not cell.ok
+        if cell.arch in judged and not cell.ok
     ]
     assert not wrong, "\n".join(wrong)

@@ -1,14 +1,15 @@
-"""Synthetic releases cut from the pinned tree, each a rebase of the real fork onto
-it (issue 15): where upstream (a) reformats a patched gate, (b) moves a patched
-function to another module, (c) fixes the same SM12x decision with different code,
-the patch ends `resolved`, `resolved`, `upstreamed`, the rebase exits 0, and the
-patch's own expectation rows hold on the resulting patched tree (real sglang,
-faked sm100, sm120 and sm121).
+"""A synthetic release cut from the pinned tree, and a rebase of the real fork onto it
+(issue 15): upstream (a) reformats a patched gate and (c) fixes the same SM12x
+decision with different code, in one release; the patches end `resolved` and
+`upstreamed`, the rebase exits 0, and both patches' own expectation rows hold on
+the resulting patched tree (real sglang, faked sm100, sm120 and sm121). Case (b),
+upstream moving a patched function to another module, is a release of the walk
+in test_intent_rebase.py: each rebase of a whole fork costs about half a minute.
 
-Each case is its own local git remote made from vendor/sglang: v0.5.23 as vendored,
-v0.5.24 with one edit. (c) judges by behaviour (rebase/behaviour.py): the rows run
-on the new pristine release in this gate environment (SM120_REBASE_GATE_ENV; the
-synthetic release has no wheel of its own to install one from).
+The release is a local git remote made from vendor/sglang: v0.5.23 as vendored,
+v0.5.24 with both edits. (c) judges by behaviour (rebase/behaviour.py): the rows
+run on the new pristine release in this gate environment (SM120_REBASE_GATE_ENV;
+the synthetic release has no wheel of its own to install one from).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -117,11 +118,13 @@ def rebased(tmp: Path, edit: Callable[[Path], None]) -> tuple[Path, dict[str, ob
     return tmp / "applied" / "python", report, output
 
 
-def rows_hold(tree: Path, patch: str, scratch: Path) -> None:
-    """The patch's own expectation rows match on `tree` on sm100, sm120 and sm121."""
+def rows_hold(tree: Path, patches: Sequence[str], scratch: Path) -> None:
+    """The patches' own expectation rows match on `tree` on sm100, sm120 and sm121 (one
+    child interpreter an architecture, for every patch)."""
     rows = table.load_table([a.name for a in spec.load_archs()]).rows
-    mine = [r for r in rows if r.patch == patch]
-    assert mine, f"no expectation rows name {patch}"
+    mine = [r for r in rows if r.patch in patches]
+    named = {r.patch for r in mine}
+    assert named == set(patches), f"no expectation rows name {sorted(set(patches) - named)}"
     archs = [a for a in spec.load_archs() if a.name in ("sm100", "sm120", "sm121")]
     scenarios = [spec.load_scenarios()[name] for name in sorted({r.scenario for r in mine})]
     matrix = runner.run_matrices({"result": tree}, archs, scenarios, scratch=scratch, jobs=2)
@@ -140,22 +143,26 @@ def _status(report: dict[str, object], patch: str) -> dict[str, object]:
     return dict(patches[patch])
 
 
-def test_a_reformatted_gate_is_resolved(tmp_path: Path) -> None:
-    tree, report, output = rebased(tmp_path, reformat)
+def reformat_and_fix_upstream(tree: Path) -> None:
+    """(a) and (c) in one release: they touch different patches' modules."""
+    reformat(tree)
+    fix_upstream(tree)
+
+
+@pytest.fixture(scope="module")
+def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object], str]:
+    return rebased(tmp_path_factory.mktemp("synthetic-release"), reformat_and_fix_upstream)
+
+
+def test_a_reformatted_gate_is_resolved(landed: tuple[Path, dict[str, object], str]) -> None:
+    _, report, output = landed
     assert _status(report, EXAONE)["status"] == "resolved", output
-    rows_hold(tree, EXAONE, tmp_path / "rows")
 
 
-def test_a_moved_function_is_resolved(tmp_path: Path) -> None:
-    tree, report, output = rebased(tmp_path, move)
-    carried = _status(report, EXAONE)
-    assert carried["status"] == "resolved", output
-    assert "gemma4.py" in str(carried["detail"])
-    rows_hold(tree, EXAONE, tmp_path / "rows")
-
-
-def test_the_same_decision_in_other_code_is_upstreamed(tmp_path: Path) -> None:
-    tree, report, output = rebased(tmp_path, fix_upstream)
+def test_the_same_decision_in_other_code_is_upstreamed(
+    landed: tuple[Path, dict[str, object], str],
+) -> None:
+    tree, report, output = landed
     carried = _status(report, OLMO2)
     assert carried["status"] == "upstreamed", output
     detail = str(carried["detail"])
@@ -163,7 +170,13 @@ def test_the_same_decision_in_other_code_is_upstreamed(tmp_path: Path) -> None:
     assert "running sm120-olmo2-attention-triton.patch's 1 gate-table row" in output
     series = (tree.parents[1] / "fork" / "patches" / "series").read_text()
     assert OLMO2 not in series
-    rows_hold(tree, OLMO2, tmp_path / "rows")
+
+
+def test_both_patches_rows_hold_on_the_result(
+    landed: tuple[Path, dict[str, object], str], tmp_path: Path
+) -> None:
+    tree, _, _ = landed
+    rows_hold(tree, [EXAONE, OLMO2], tmp_path / "rows")
 
 
 @pytest.mark.parametrize("edit", [reformat, move, fix_upstream])

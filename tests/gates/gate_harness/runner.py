@@ -1,5 +1,6 @@
 """Run the architecture matrix: one child interpreter per (tree, architecture), each a
-fork of a zygote that has imported torch (zygote.py; SM120_GATE_ZYGOTE=0: fresh ones).
+fork of that architecture's zygote, which has installed the fakes and imported the
+heavy third-party packages (zygote.py; SM120_GATE_ZYGOTE=0: fresh interpreters).
 
 Standard library only; torch is imported by the children (child.py), never here.
 """
@@ -11,6 +12,7 @@ import os
 import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -80,8 +82,9 @@ def prepare_fakes(python: str, scratch: Path, extra_roots: Sequence[Path] = ()) 
     return Fakes(lib_dir=lib_dir, bin_dir=fakes.write_nvidia_smi(scratch / "bin"))
 
 
-def child_environ(arch: Arch, stubs: Fakes, scratch: Path) -> dict[str, str]:
-    """The child's environment: the caller's, made hermetic, plus the fakes."""
+def child_environ(arch: Arch, stubs: Fakes, scratch: Path, hf_home: Path) -> dict[str, str]:
+    """The child's environment: the caller's, made hermetic, plus the fakes. `hf_home`
+    is the matrix's (a zygote's imports read it, for every tree's child)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -94,15 +97,16 @@ def child_environ(arch: Arch, stubs: Fakes, scratch: Path) -> dict[str, str]:
     env["SM120_GATE_SMI_LOG"] = str(scratch / "nvidia-smi-unexpected.log")
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
-    env["HF_HOME"] = str(scratch / "hf-home")
+    env["HF_HOME"] = str(hf_home)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 
 
 class Zygote:
-    """One `zygote.py` (torch imported once) serving one worker thread's children in turn."""
+    """One `zygote.py` primed for one architecture: every child of that architecture is
+    a fork of it, several at once (each `run` waits for its own child)."""
 
-    def __init__(self, python: str, env: Mapping[str, str], log: Path) -> None:
+    def __init__(self, python: str, arch: Arch, env: Mapping[str, str], log: Path) -> None:
         self._log = log.open("w")
         self._process = subprocess.Popen(
             [python, str(ZYGOTE_SCRIPT)],
@@ -112,36 +116,67 @@ class Zygote:
             env=dict(env),
             text=True,
         )
+        self._lock = threading.Lock()
+        self._waiting: dict[int, queue.Queue[int | str | None]] = {}
+        self._next_id = 0
+        self._send({"arch": arch.child_request(), "env": dict(env)})
+        self._reader = threading.Thread(target=self._read_answers, daemon=True)
+        self._reader.start()
+
+    def _send(self, message: Mapping[str, Any]) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.write(json.dumps(message) + "\n")
+        self._process.stdin.flush()
+
+    def _read_answers(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            answer = json.loads(line)
+            with self._lock:
+                self._waiting.pop(answer["id"]).put(answer["exit"])
+        with self._lock:  # the zygote is gone: nobody waits forever
+            for slot in self._waiting.values():
+                slot.put("died")
+            self._waiting.clear()
 
     def run(self, argv: list[str], env: Mapping[str, str], cwd: Path, log: Path) -> int | None:
         """The child's exit code; None when it ran past CHILD_TIMEOUT_S."""
+        slot: queue.Queue[int | str | None] = queue.Queue(maxsize=1)
         job = {"argv": argv, "env": dict(env), "cwd": str(cwd), "log": str(log)}
-        assert self._process.stdin is not None and self._process.stdout is not None
-        self._process.stdin.write(json.dumps({**job, "timeout": CHILD_TIMEOUT_S}) + "\n")
-        self._process.stdin.flush()
-        answer = self._process.stdout.readline()
-        if not answer:
+        with self._lock:
+            job_id, self._next_id = self._next_id, self._next_id + 1
+            self._waiting[job_id] = slot
+            if self._process.poll() is None:
+                self._send({"id": job_id, **job, "timeout": CHILD_TIMEOUT_S})
+            else:
+                slot.put("died")
+        code = slot.get()
+        if isinstance(code, str):
             raise HarnessError(f"the gate zygote died; its log: {self._log.name}")
-        code: int | None = json.loads(answer)["exit"]
         return code
 
     def close(self) -> None:
-        """End the zygote (its stdin at EOF) and close both pipes and its log."""
+        """End the zygote (its stdin at EOF: it waits for its children) and its pipes."""
         if self._process.stdin is not None:
             self._process.stdin.close()
-        self._process.wait(timeout=60)
+        self._process.wait(timeout=CHILD_TIMEOUT_S)
+        self._reader.join(timeout=60)
         if self._process.stdout is not None:
             self._process.stdout.close()
         self._log.close()
 
 
+Start = Callable[[Arch, list[str], Mapping[str, str], Path, Path], int | None]
+
+
 def _run_one(
-    start: Callable[[list[str], Mapping[str, str], Path, Path], int | None],
+    start: Start,
     tree: Path,
     arch: Arch,
     scenarios: Sequence[Scenario],
     stubs: Fakes,
     scratch: Path,
+    hf_home: Path,
 ) -> ArchRun:
     scratch.mkdir(parents=True, exist_ok=True)
     request = scratch / "request.json"
@@ -158,7 +193,8 @@ def _run_one(
         )
     )
     started = time.monotonic()
-    code = start([str(request), str(result)], child_environ(arch, stubs, scratch), scratch, log)
+    env = child_environ(arch, stubs, scratch, hf_home)
+    code = start(arch, [str(request), str(result)], env, scratch, log)
     if code is None:
         raise HarnessError(f"{arch.name} on {tree}: timed out; log {log}")
     wall = time.monotonic() - started
@@ -172,10 +208,12 @@ def _run_one(
     return ArchRun(arch.name, data["scenarios"], data["meta"], wall, log)
 
 
-def _fresh_process(python: str) -> Callable[[list[str], Mapping[str, str], Path, Path], int | None]:
-    """`python child.py ...` as its own process (SM120_GATE_ZYGOTE=0)."""
+def _fresh_process(python: str) -> Start:
+    """`python child.py ...` as its own process (SM120_GATE_ZYGOTE=0, and the fresh check)."""
 
-    def start(argv: list[str], env: Mapping[str, str], cwd: Path, log: Path) -> int | None:
+    def start(
+        arch: Arch, argv: list[str], env: Mapping[str, str], cwd: Path, log: Path
+    ) -> int | None:
         with open(log, "w") as out:
             try:
                 return subprocess.run(
@@ -193,8 +231,67 @@ def _fresh_process(python: str) -> Callable[[list[str], Mapping[str, str], Path,
     return start
 
 
-def _ordered(trees: Mapping[str, Path], archs: Sequence[Arch]) -> list[tuple[str, Path, Arch]]:
-    return [(label, tree, arch) for label, tree in trees.items() for arch in archs]
+class _Zygotes:
+    """A zygote per architecture: started with its first child, ended after its last (the
+    work is ordered by architecture, so about as many are alive as there are jobs)."""
+
+    def __init__(
+        self, python: str, stubs: Fakes, scratch: Path, hf_home: Path, children: Mapping[str, int]
+    ) -> None:
+        self._python, self._stubs, self._scratch, self._hf_home = python, stubs, scratch, hf_home
+        self._left = dict(children)  # architecture -> its children not yet ended
+        self._lock = threading.Lock()
+        self._alive: dict[str, Zygote] = {}
+
+    def start(
+        self, arch: Arch, argv: list[str], env: Mapping[str, str], cwd: Path, log: Path
+    ) -> int | None:
+        primed = self._scratch / f"zygote-{arch.name}"
+        with self._lock:
+            zygote = self._alive.get(arch.name)
+            if zygote is None:
+                primed.mkdir(parents=True, exist_ok=True)
+                prime_env = child_environ(arch, self._stubs, primed, self._hf_home)
+                zygote = Zygote(self._python, arch, prime_env, primed / "zygote.log")
+                self._alive[arch.name] = zygote
+        try:
+            return zygote.run(argv, env, cwd, log)
+        finally:
+            with self._lock:
+                self._left[arch.name] -= 1
+                last = self._left[arch.name] <= 0
+                if last:
+                    del self._alive[arch.name]
+            if last:
+                zygote.close()
+                _refuse_unexpected_queries(primed)
+
+    def close(self) -> None:
+        with self._lock:
+            alive, self._alive = list(self._alive.values()), {}
+        for zygote in alive:
+            zygote.close()
+
+
+def _refuse_unexpected_queries(primed: Path) -> None:
+    """A zygote's imports run with the fake nvidia-smi too; what it cannot answer there
+    would reach no child's log, so it fails the matrix here."""
+    log = primed / "nvidia-smi-unexpected.log"
+    if log.is_file():
+        raise HarnessError(f"while a gate zygote imported its packages: {log.read_text().strip()}")
+
+
+def _differences(zygote: ArchRun, fresh: ArchRun) -> list[str]:
+    """Where a zygote's child and a fresh interpreter observed differently."""
+    found = []
+    for name in sorted(set(zygote.scenarios) | set(fresh.scenarios)):
+        mine, theirs = zygote.scenarios.get(name, {}), fresh.scenarios.get(name, {})
+        for field in sorted(set(mine) | set(theirs)):
+            if mine.get(field) != theirs.get(field):
+                found.append(
+                    f"{name}.{field}: {mine.get(field)!r} forked, {theirs.get(field)!r} fresh"
+                )
+    return found
 
 
 def run_matrices(
@@ -207,50 +304,62 @@ def run_matrices(
     jobs: int | None = None,
     stubs: Fakes | None = None,
     on_done: Callable[[str, ArchRun], None] | None = None,
+    fresh_check: tuple[str, str] | None = None,
 ) -> dict[str, MatrixRun]:
     """Observe every scenario on every architecture for every tree (label -> path);
-    `on_done(label, run)` is called (in this thread) as each child finishes."""
+    `on_done(label, run)` is called (in this thread) as each child finishes.
+
+    `fresh_check` (tree label, architecture): that child also runs as a fresh
+    `python child.py`, and any observation that differs from its forked twin's fails
+    the matrix (HarnessError): the zygote's claim to change nothing, checked."""
     stubs = stubs or prepare_fakes(python, scratch / "fakes", list(trees.values()))
     jobs = jobs or os.cpu_count() or 1
-    work = [(label, tree, arch) for label, tree, arch in _ordered(trees, archs)]
-    # One zygote per worker thread: each child is a fork of an interpreter that has
-    # imported torch already (zygote.py), instead of a fresh `python child.py`.
-    zygotes: queue.Queue[Zygote] = queue.Queue()
-    started: list[Zygote] = []
+    hf_home = scratch / "hf-home"
+    # By architecture: each zygote serves every tree's child of its architecture.
+    work = [(label, tree, arch) for arch in archs for label, tree in trees.items()]
     use_zygote = os.environ.get("SM120_GATE_ZYGOTE", "1") != "0" and bool(archs)
     fresh = _fresh_process(python)
-
-    def start(argv: list[str], env: Mapping[str, str], cwd: Path, log: Path) -> int | None:
-        if not use_zygote:
-            return fresh(argv, env, cwd, log)
-        try:
-            zygote = zygotes.get_nowait()
-        except queue.Empty:
-            zygote = Zygote(python, env, scratch / f"zygote-{len(started)}.log")
-            started.append(zygote)
-        try:
-            return zygote.run(argv, env, cwd, log)
-        finally:
-            zygotes.put(zygote)
-
+    zygotes = _Zygotes(python, stubs, scratch, hf_home, {arch.name: len(trees) for arch in archs})
+    start = zygotes.start if use_zygote else fresh
+    checked = fresh_check if use_zygote and fresh_check else None
     try:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             futures = {
                 pool.submit(
-                    _run_one, start, tree, arch, scenarios, stubs, scratch / label / arch.name
-                ): (label, arch.name)
+                    _run_one,
+                    start,
+                    tree,
+                    arch,
+                    scenarios,
+                    stubs,
+                    scratch / label / arch.name,
+                    hf_home,
+                ): (label, arch.name, "")
                 for label, tree, arch in work
             }
-            done = {}
+            for label, tree, arch in work:
+                if checked == (label, arch.name):
+                    where = scratch / label / f"{arch.name}-fresh"
+                    futures[
+                        pool.submit(_run_one, fresh, tree, arch, scenarios, stubs, where, hf_home)
+                    ] = (label, arch.name, "fresh")
+            done: dict[tuple[str, str, str], ArchRun] = {}
             for future in as_completed(futures):
-                label, arch_name = futures[future]
-                done[(label, arch_name)] = future.result()
-                if on_done is not None:
-                    on_done(label, done[(label, arch_name)])
+                key = futures[future]
+                done[key] = future.result()
+                if on_done is not None and not key[2]:
+                    on_done(key[0], done[key])
     finally:
-        for zygote in started:
-            zygote.close()
+        zygotes.close()
+    if checked is not None:
+        differ = _differences(done[(*checked, "")], done[(*checked, "fresh")])
+        if differ:
+            raise HarnessError(
+                f"{checked[1]} on {trees[checked[0]]}: a child forked from its zygote observed "
+                f"otherwise than a fresh interpreter ({len(differ)} fields; run with "
+                "SM120_GATE_ZYGOTE=0 meanwhile): " + "; ".join(differ[:5])
+            )
     return {
-        label: MatrixRun(tree, {arch.name: done[(label, arch.name)] for arch in archs})
+        label: MatrixRun(tree, {arch.name: done[(label, arch.name, "")] for arch in archs})
         for label, tree in trees.items()
     }
