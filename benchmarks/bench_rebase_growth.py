@@ -79,7 +79,7 @@ def setup(scratch: Path, size: int) -> tuple[Path, Path]:
 
 def seed_cache(fork: Path, cache: Path) -> None:
     """The old tree's gate scan, as `nox -s gates` leaves it in the user's cache."""
-    env = {**tool_env(), "XDG_CACHE_HOME": str(cache)}
+    env = rebase_step.cached_env(tool_env(), cache)
     out = cache.parent / "gates-seed"
     run(tool("-C", fork, "gates", "--out", out), env=env, ok=(0, 1))
 
@@ -87,7 +87,7 @@ def seed_cache(fork: Path, cache: Path) -> None:
 def by_tool(fork: Path, remote: Path, seed: Path, cache: Path) -> float:
     shutil.rmtree(cache, ignore_errors=True)
     shutil.copytree(seed, cache)
-    env = {**os.environ, **rebase_step.IDENTITY, **tool_env(), "XDG_CACHE_HOME": str(cache)}
+    env = rebase_step.cached_env({**os.environ, **rebase_step.IDENTITY, **tool_env()}, cache)
     argv = [*tool("-C", fork, "rebase", f"v{NEW}"), "--upstream-git", remote.as_uri()]
     start = time.perf_counter()
     done = subprocess.run([*argv, "--dry-run"], env=env, capture_output=True, text=True)

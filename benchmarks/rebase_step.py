@@ -9,7 +9,11 @@ policy), so the figures stay comparable across rebases of the project itself.
 
 Setup (not timed): sglang 0.5.9 and <to> are fetched once from the package index;
 a local git remote gets them as tags v0.5.9 and v<to>; a temporary fork repo gets
-0.5.9 as vendor/ (with its lock) and the kept series as patches/.
+0.5.9 as vendor/ (with its lock) and the kept series as patches/. `check` and
+`gates` of that fork fill a cache directory (its intent proofs, the 0.5.9 gate
+scan), as the fork's own CI leaves them; each timed run starts from a fresh copy
+of it, so <to> is never a tree scanned before and nothing the run writes is read
+by the next one.
 
 Timed, each as fresh processes, best of --runs:
 - tool: `sm120fork rebase v<to> --upstream-git file://... --dry-run` (fetch from
@@ -71,7 +75,7 @@ SERIES = ROOT / "benchmarks" / "data" / f"series-{BASE}"
 
 
 def setup(scratch: Path, version: str) -> tuple[Path, Path, str]:
-    """(fork repo, upstream remote, pinned version)."""
+    """(fork repo, upstream remote, pinned version); the seeded cache is seed_dir(fork)."""
     fork = scratch / "fork"
     fork.mkdir()
     (fork / ".gitignore").write_text("/build/\n")
@@ -95,11 +99,32 @@ def setup(scratch: Path, version: str) -> tuple[Path, Path, str]:
     git(remote, "init", "-q", ".")
     commit_tree(remote, fork / "vendor/sglang", f"sglang {BASE}", f"v{BASE}")
     commit_tree(remote, release.tree, f"sglang {release.version}", f"v{release.version}")
+    seed = cached_env(env, seed_dir(fork))
+    for command in (["check"], ["gates", "--out", str(scratch / "gates-seed")]):
+        tool = [sys.executable, "-m", "sm120fork", "-C", str(fork), *command]
+        subprocess.run(tool, env=seed, check=False, stdout=subprocess.DEVNULL)
     return fork, remote, BASE
 
 
+def cached_env(env: dict[str, str], cache: Path) -> dict[str, str]:
+    """`env` with the tool's caches in `cache` (and nowhere a variable names)."""
+    kept = {k: v for k, v in env.items() if k not in CACHE_VARIABLES}
+    return {**kept, "XDG_CACHE_HOME": str(cache)}
+
+
+CACHE_VARIABLES = ("SM120FORK_GATE_SCAN_CACHE", "SM120FORK_INTENT_CACHE")
+
+
+def seed_dir(fork: Path) -> Path:
+    """The cache `check` and `gates` of the fork left (intent proofs, the old tree's scan)."""
+    return fork.parent / "cache-seed"
+
+
 def by_tool(fork: Path, remote: Path, version: str) -> tuple[float, str]:
-    env = {**os.environ, **IDENTITY, "PYTHONPATH": str(ROOT / "scripts")}
+    cache = fork.parent / "cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    shutil.copytree(seed_dir(fork), cache)
+    env = cached_env({**os.environ, **IDENTITY, "PYTHONPATH": str(ROOT / "scripts")}, cache)
     command = [sys.executable, "-m", "sm120fork", "-C", str(fork), "rebase", f"v{version}"]
     start = time.perf_counter()
     result = subprocess.run(

@@ -151,7 +151,7 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
             ):
                 hit = node.body
             if hit is not None:
-                source.focus(top)
+                _focus_around(source, hit, top)
                 found.append(hit)
             for attr in ("body", "orelse", "handlers", "finalbody"):
                 child = getattr(node, attr, None)
@@ -166,6 +166,20 @@ def _named(source: Source, edit: Edit) -> list[cst.CSTNode]:
 
     walk(source.module.body, (), source.module)
     return found
+
+
+def _focus_around(source: Source, hit: cst.CSTNode, top: cst.CSTNode) -> None:
+    """Positions for what an edit in `hit` looks at. A class's own statements are
+    units (ServerArgs: 6000 lines of fields and methods), so a class scope has its
+    fields focused one by one and its methods only if an edit asks for them
+    (`Source.span`); any other scope, the unit it is in."""
+    if hit is top and isinstance(hit, cst.ClassDef) and isinstance(hit.body, cst.IndentedBlock):
+        members = [m for m in hit.body.body if not isinstance(m, cst.FunctionDef)]
+        if all(source.is_unit(member) for member in members):
+            for member in members:
+                source.focus(member)
+            return
+    source.focus(top)
 
 
 def may_hold(edit: Edit, text: str) -> bool:
