@@ -12,21 +12,16 @@ from dataclasses import replace
 from sm120fork.errors import EXIT_FINDINGS, FatalError
 from sm120fork.intent import renames
 from sm120fork.intent.model import Intent, load_intents
+from sm120fork.patches.applier import ApplyError, Overlay, apply_patch
 from sm120fork.patches.normalform import DiffRenderer
+from sm120fork.patches.patchfile import PatchFile
 from sm120fork.progress import Counter, Progress
 from sm120fork.rebase import fate, ledger, targets
 from sm120fork.rebase.carry import carry
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
 from sm120fork.rebase.state import RebaseState, crash_point
-from sm120fork.rebase.strategy import (
-    CarryContext,
-    Outcome,
-    apply_to_worktree,
-    carried,
-    finish,
-    parsed,
-)
+from sm120fork.rebase.strategy import CarryContext, Outcome, carried, finish, parsed
 from sm120fork.rebase.workrepo import WorkRepo
 from sm120fork.rebase.workspace import PREFIX, Workspace, say
 from sm120fork.upstream import lock
@@ -52,22 +47,33 @@ def fetch(workspace: Workspace, state: RebaseState) -> RebaseState:
 
 
 def prepare(workspace: Workspace, state: RebaseState) -> RebaseState:
-    """The work repository: the pinned release, then one commit per patch."""
+    """The work repository: the pinned release, then one commit per patch, each patch
+    applied in memory (the work tree is first checked out at the new release)."""
     say(f"committing sglang {state.from_version} and the series in a work repository")
     repo = WorkRepo.create(workspace.work)
     base = repo.commit_dir(workspace.paths.upstream_tree, None, f"sglang {state.from_version}")
-    repo.checkout(base)
-    patches = []
+    overlay = Overlay(workspace.paths.upstream_tree)
+    tip, patches = base, []
     for patch in state.patches:
-        commit = None
-        if apply_to_worktree(repo, parsed(patch), allow_offset=False) is not None:
-            commit = repo.commit_worktree(patch.name)
-        if commit is None:
+        changes = _applied(overlay, parsed(patch))
+        if not changes:
             raise FatalError(f"{patch.name} no longer applies to vendor/sglang; run `check`")
-        patches.append(replace(patch, commit=commit))
+        tip = repo.commit_changes(tip, patch.name, changes)
+        patches.append(replace(patch, commit=tip))
     state = workspace.save(replace(state, phase="carry", old_base=base, patches=tuple(patches)))
     crash_point("after-prepare")
     return state
+
+
+def _applied(overlay: Overlay, patch: PatchFile) -> dict[str, str | None]:
+    """What `patch` changes, applied exactly to `overlay` (and kept there); {} when it
+    does not apply or changes nothing."""
+    before = {path: overlay.read(path) for path in patch.paths}
+    try:
+        apply_patch(overlay, patch, allow_offset=False)
+    except ApplyError:
+        return {}
+    return {path: overlay.read(path) for path in before if overlay.read(path) != before[path]}
 
 
 def carry_all(workspace: Workspace, state: RebaseState) -> RebaseState:

@@ -15,6 +15,7 @@ import tarfile
 import zipfile
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from email.parser import HeaderParser
@@ -81,6 +82,36 @@ def write_file(root: Path, relative: PurePosixPath, data: bytes, *, executable: 
     return hashlib.sha256(data).hexdigest()
 
 
+class MemberWriter:
+    """`write_file` on a few threads: a release is 5700 files, and creating a file costs
+    about a millisecond of the kernel's time on a virtual disk, most of it waiting,
+    while the bytes are already in memory. `hashes()` waits for every write (the
+    first failure is raised) and gives (name, sha256) in the order written."""
+
+    _THREADS = 8
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._pool = ThreadPoolExecutor(max_workers=self._THREADS)
+        self._written: list[tuple[str, Future[str]]] = []
+
+    def write(self, name: str, relative: PurePosixPath, data: bytes, *, executable: bool) -> None:
+        future = self._pool.submit(write_file, self._root, relative, data, executable=executable)
+        self._written.append((name, future))
+
+    def hashes(self) -> list[tuple[str, str]]:
+        try:
+            return [(name, future.result()) for name, future in self._written]
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> MemberWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 @contextmanager
 def _corrupt_is_fatal(archive: Path) -> Iterator[None]:
     try:
@@ -98,8 +129,9 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
     member of `wheel` against RECORD on the way; binary files are skipped and listed.
 
     `dest` must be a fresh directory that the caller throws away if this raises."""
-    written, skipped, license_files, hashes = 0, [], {}, []
-    with _corrupt_is_fatal(wheel), zipfile.ZipFile(wheel) as archive:
+    written, skipped, license_files = 0, [], {}
+    writer = MemberWriter(dest)
+    with _corrupt_is_fatal(wheel), writer, zipfile.ZipFile(wheel) as archive:
         infos = archive.infolist()
         _check_zip_members(infos, wheel.name)
         record_name = record.find((i.filename for i in infos), wheel.name)
@@ -117,9 +149,7 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
             if path.parts[0] == package:
                 if is_text(data):
                     executable = bool((info.external_attr >> 16) & 0o111)
-                    hashes.append(
-                        (info.filename, write_file(dest, path, data, executable=executable))
-                    )
+                    writer.write(info.filename, path, data, executable=executable)
                     written += 1
                 else:
                     skipped.append(info.filename)
@@ -127,6 +157,7 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
                 license_files[info.filename] = data
         metadata = f"{dist_info}/METADATA"
         declared = _license_files(archive.read(metadata)) if metadata in listed else []
+        hashes = writer.hashes()
     license = _pick_license(dist_info, declared, license_files)
     return WheelTree(written, tuple(skipped), license, tuple(hashes))
 

@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 
 from sm120fork import gitcmd
 from sm120fork.errors import FatalError
-from sm120fork.upstream.archive import is_text, safe_member_path, write_file
+from sm120fork.upstream.archive import MemberWriter, is_text, safe_member_path
 
 SUBTREE = "python/sglang"
 LICENSE = "LICENSE"
@@ -72,18 +72,18 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
             f"{tag} of {public_url(url)} has no {SUBTREE}/; is it sglang's repository?"
         )
     blobs = _read_blobs(git_dir, [oid for oid, _ in entries.values()], workdir)
-    written, skipped, hashes = 0, [], []
-    for path, (oid, mode) in sorted(entries.items()):
-        data = blobs[oid]
-        if is_text(data):
-            hashes.append(
-                (path, write_file(dest, PurePosixPath(path), data, executable=mode == "100755"))
-            )
-            written += 1
-        elif path == LICENSE:
-            raise FatalError(f"{tag}: LICENSE is not a text file; refusing it")
-        else:
-            skipped.append(path)
+    written, skipped = 0, []
+    with MemberWriter(dest) as writer:
+        for path, (oid, mode) in sorted(entries.items()):
+            data = blobs[oid]
+            if is_text(data):
+                writer.write(path, PurePosixPath(path), data, executable=mode == "100755")
+                written += 1
+            elif path == LICENSE:
+                raise FatalError(f"{tag}: LICENSE is not a text file; refusing it")
+            else:
+                skipped.append(path)
+        hashes = writer.hashes()
     return GitTree(commit=commit, files=written, skipped=tuple(skipped), hashes=tuple(hashes))
 
 
