@@ -84,3 +84,33 @@ def test_a_tree_committed_by_fast_import_is_the_tree_git_add_writes(tmp_path: Pa
     assert repo.out("log", "-1", "--format=%an %ad %s", "--date=unix", second) == (
         "sm120fork rebase 946684800 second"
     )
+
+
+def test_changes_committed_in_memory_are_the_commit_git_makes_of_them(tmp_path: Path) -> None:
+    """`commit_changes` (the rebase's prepare) gives the very commit that writing the
+    changes to the work tree and `commit_worktree` give: a changed file keeps its mode
+    (an executable one too), a new file is 100644, a deleted one is gone."""
+    tree = tmp_path / "tree"
+    (tree / "pkg").mkdir(parents=True)
+    (tree / "pkg" / "mod.py").write_text("x = 1\n")
+    (tree / "pkg" / "gone.py").write_text("y = 2\n")
+    (tree / "run.sh").write_text("#!/bin/sh\n")
+    (tree / "run.sh").chmod((tree / "run.sh").stat().st_mode | stat.S_IXUSR)
+    repo = WorkRepo.create(tmp_path / "work")
+    base = repo.commit_dir(tree, None, "sglang 0.5.23")
+    changes: dict[str, str | None] = {
+        "pkg/mod.py": "x = 2\n",
+        "pkg/gone.py": None,
+        "pkg/new.py": "z = 3\n",
+        "run.sh": "#!/bin/sh\necho sm120\n",
+    }
+    in_memory = repo.commit_changes(base, "sm120-a.patch", changes)
+
+    repo.checkout(base)
+    for path, text in changes.items():
+        if text is None:
+            (repo.root / path).unlink()
+        else:
+            (repo.root / path).write_text(text)
+    assert repo.commit_worktree("sm120-a.patch") == in_memory
+    assert "100755 blob" in repo.out("ls-tree", in_memory, "run.sh")
