@@ -71,6 +71,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("tree_label", labels)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The matrix's tests last: its children keep both cores busy, while the rebases of
+    the synthetic walks are one process each; run first, they share the machine with
+    the tool's tests, which `nox -s tests` runs beside this suite on one core."""
+    items.sort(key=lambda item: "matrices" in getattr(item, "fixturenames", ()))
+
+
 def load_archs() -> tuple[spec.Arch, ...]:
     return spec.load_archs()
 
