@@ -1,4 +1,4 @@
-"""Intent proofs already made, kept by what they read.
+"""Intent proofs and re-applications already made, kept by what they read.
 
 `check` proves every intent by re-applying it to the tree below its patch and
 comparing with the patch (patches/checks.py). A proof parses the patched modules
@@ -11,6 +11,9 @@ tool's own source (every module of sm120fork), the Python and libcst versions,
 the intent, and each candidate file's path and git blob id (or its absence).
 Any changed byte of any of these is another key, so an entry is never stale.
 The payload is JSON (zlib): the re-application's status, detail and new texts.
+The rebase keeps its re-applications the same way (rebase/merge.py): there the
+candidates are every module of the work tree, whose blob ids cost a tenth of
+a re-application.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from dataclasses import replace
 from pathlib import PurePosixPath
 
 from sm120fork.intent import renames
-from sm120fork.intent.reapply import Reapplied, reapply
+from sm120fork.intent.proofcache import reapply_kept
+from sm120fork.intent.reapply import Reapplied
 from sm120fork.patches.applier import write_changes
 from sm120fork.rebase import resolutions
 from sm120fork.rebase.conflicts import describe
@@ -99,7 +100,9 @@ def _conflicts_detail(version: str, conflicts: tuple[Conflict, ...]) -> str:
 
 def _reapplied(ctx: CarryContext) -> tuple[Reapplied | None, dict[str, str]]:
     """The intent re-applied to the work tree's files (nothing is written), and the
-    functions upstream renamed since the previous release that it followed."""
+    functions upstream renamed since the previous release that it followed. Kept by
+    content (intent/proofcache.py): the last strategy asks again, on the same files,
+    for the reason it gives, and a dry run's answers serve the rebase after it."""
     if ctx.intent is None:
         return None, {}
     root = ctx.repo.root
@@ -109,7 +112,7 @@ def _reapplied(ctx: CarryContext) -> tuple[Reapplied | None, dict[str, str]]:
         return file.read_text("utf-8") if file.is_file() else None
 
     files = [p for p in ctx.repo.files() if p.endswith(".py")]
-    verdict = reapply(ctx.intent, read, files)
+    verdict = reapply_kept(ctx.intent, read, files)
     if verdict.status != "not-found":
         return verdict, {}
     # Its code is not where it was: perhaps upstream renamed a function it calls (two
@@ -118,7 +121,7 @@ def _reapplied(ctx: CarryContext) -> tuple[Reapplied | None, dict[str, str]]:
     intent, renamed = renames.follow(ctx.intent, old, new)
     if not renamed:
         return verdict, {}
-    followed = reapply(intent, read, files)
+    followed = reapply_kept(intent, read, files)
     if followed.status not in ("upstreamed", "resolved"):
         return verdict, {}
     return replace(followed, detail=f"{followed.detail} ({renames.said(renamed)})"), renamed
