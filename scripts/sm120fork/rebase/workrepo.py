@@ -160,7 +160,9 @@ class WorkRepo:
         if parent:
             head.append(f"from {parent}\n".encode())
         stream = b"".join([*head, *commands, b"\n"])
-        fast_import = ["-c", "core.compression=1", "fast-import", "--quiet", "--force"]
+        # No deltas, light compression: a scratch pack, written once and thrown away
+        # (for a release, 1 s and 22 MB; with fast-import's deltas, 2.1 s and 20 MB).
+        fast_import = ["-c", "core.compression=1", "fast-import", "--quiet", "--force", "--depth=0"]
         self.git(*fast_import, f"--export-marks={marks}", input=stream)
         commit = marks.read_text().split()[1]
         marks.unlink()
