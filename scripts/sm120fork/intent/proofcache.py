@@ -25,8 +25,10 @@ import sys
 import zlib
 from collections.abc import Callable, Iterable
 from functools import cache
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import libcst as cst
 
 from sm120fork.cachedir import CacheDir
 from sm120fork.intent.model import Intent
@@ -41,7 +43,11 @@ _ENTRIES = CacheDir("intent-proofs", "SM120FORK_INTENT_CACHE", _MAGIC, ".json.z"
 
 @cache
 def tool_version() -> str:
-    digest = hashlib.sha256(f"{sys.version}\0libcst {version('libcst')}\0".encode())
+    try:
+        libcst = version("libcst")
+    except PackageNotFoundError:  # imported from a path, not installed: its place stands in
+        libcst = str(Path(cst.__file__).resolve().parent)
+    digest = hashlib.sha256(f"{sys.version}\0libcst {libcst}\0".encode())
     for path in sorted(_TOOL.rglob("*.py")):
         digest.update(path.relative_to(_TOOL).as_posix().encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
