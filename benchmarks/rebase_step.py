@@ -106,13 +106,13 @@ def setup(scratch: Path, version: str) -> tuple[Path, Path, str]:
     return fork, remote, BASE
 
 
+CACHE_VARIABLES = ("SM120FORK_GATE_SCAN_CACHE", "SM120FORK_INTENT_CACHE")
+
+
 def cached_env(env: dict[str, str], cache: Path) -> dict[str, str]:
     """`env` with the tool's caches in `cache` (and nowhere a variable names)."""
     kept = {k: v for k, v in env.items() if k not in CACHE_VARIABLES}
     return {**kept, "XDG_CACHE_HOME": str(cache)}
-
-
-CACHE_VARIABLES = ("SM120FORK_GATE_SCAN_CACHE", "SM120FORK_INTENT_CACHE")
 
 
 def seed_dir(fork: Path) -> Path:

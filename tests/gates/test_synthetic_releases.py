@@ -118,24 +118,38 @@ def rebased(tmp: Path, edit: Callable[[Path], None]) -> tuple[Path, dict[str, ob
     return tmp / "applied" / "python", report, output
 
 
-def rows_hold(tree: Path, patches: Sequence[str], scratch: Path) -> None:
-    """The patches' own expectation rows match on `tree` on sm100, sm120 and sm121 (one
-    child interpreter an architecture, for every patch)."""
-    rows = table.load_table([a.name for a in spec.load_archs()]).rows
-    mine = [r for r in rows if r.patch in patches]
+def rows_of(patches: Sequence[str]) -> list[table.Row]:
+    """The expectation rows naming each of `patches` (every one must have some)."""
+    mine = [
+        r for r in table.load_table([a.name for a in spec.load_archs()]).rows if r.patch in patches
+    ]
     named = {r.patch for r in mine}
     assert named == set(patches), f"no expectation rows name {sorted(set(patches) - named)}"
+    return mine
+
+
+def rows_hold(tree: Path, rows: Sequence[table.Row], scratch: Path) -> None:
+    """`rows` match on `tree` on sm100, sm120 and sm121 (one child interpreter an
+    architecture, for every row's scenario)."""
     archs = [a for a in spec.load_archs() if a.name in ("sm100", "sm120", "sm121")]
-    scenarios = [spec.load_scenarios()[name] for name in sorted({r.scenario for r in mine})]
+    scenarios = [spec.load_scenarios()[name] for name in sorted({r.scenario for r in rows})]
     matrix = runner.run_matrices({"result": tree}, archs, scenarios, scratch=scratch, jobs=2)
     observations = matrix["result"].observations
     wrong = [
         f"{row.label} {cell.describe()}"
-        for row in mine
+        for row in rows
         for cell in table.check_row(row, observations)
         if cell.arch in {a.name for a in archs} and not cell.ok
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def resolved_in_steps(report: dict[str, object], patch: str, where: str, steps: list[str]) -> None:
+    """`patch` ends `resolved` at `where` (a file its detail names), step by step `steps`."""
+    carried = _status(report, patch)
+    assert carried["status"] == "resolved", carried
+    assert where in str(carried["detail"]), carried["detail"]
+    assert [s["status"] for s in carried["steps"]] == steps  # type: ignore[attr-defined]
 
 
 def _status(report: dict[str, object], patch: str) -> dict[str, object]:
@@ -176,7 +190,7 @@ def test_both_patches_rows_hold_on_the_result(
     landed: tuple[Path, dict[str, object], str], tmp_path: Path
 ) -> None:
     tree, _, _ = landed
-    rows_hold(tree, [EXAONE, OLMO2], tmp_path / "rows")
+    rows_hold(tree, rows_of([EXAONE, OLMO2]), tmp_path / "rows")
 
 
 @pytest.mark.parametrize("edit", [reformat, move, fix_upstream])

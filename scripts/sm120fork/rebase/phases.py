@@ -73,7 +73,8 @@ def _applied(overlay: Overlay, patch: PatchFile) -> dict[str, str | None]:
         apply_patch(overlay, patch, allow_offset=False)
     except ApplyError:
         return {}
-    return {path: overlay.read(path) for path in before if overlay.read(path) != before[path]}
+    after = {path: overlay.read(path) for path in before}
+    return {path: text for path, text in after.items() if text != before[path]}
 
 
 def carry_all(workspace: Workspace, state: RebaseState) -> RebaseState:

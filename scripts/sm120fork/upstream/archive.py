@@ -129,7 +129,7 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
     member of `wheel` against RECORD on the way; binary files are skipped and listed.
 
     `dest` must be a fresh directory that the caller throws away if this raises."""
-    written, skipped, license_files = 0, [], {}
+    skipped, license_files = [], {}
     writer = MemberWriter(dest)
     with _corrupt_is_fatal(wheel), writer, zipfile.ZipFile(wheel) as archive:
         infos = archive.infolist()
@@ -150,7 +150,6 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
                 if is_text(data):
                     executable = bool((info.external_attr >> 16) & 0o111)
                     writer.write(info.filename, path, data, executable=executable)
-                    written += 1
                 else:
                     skipped.append(info.filename)
             elif path.parts[0] == dist_info:
@@ -159,7 +158,7 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
         declared = _license_files(archive.read(metadata)) if metadata in listed else []
         hashes = writer.hashes()
     license = _pick_license(dist_info, declared, license_files)
-    return WheelTree(written, tuple(skipped), license, tuple(hashes))
+    return WheelTree(len(hashes), tuple(skipped), license, tuple(hashes))
 
 
 def _check_zip_members(infos: list[zipfile.ZipInfo], archive: str) -> None:

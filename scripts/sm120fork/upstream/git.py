@@ -72,19 +72,18 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
             f"{tag} of {public_url(url)} has no {SUBTREE}/; is it sglang's repository?"
         )
     blobs = _read_blobs(git_dir, [oid for oid, _ in entries.values()], workdir)
-    written, skipped = 0, []
+    skipped: list[str] = []
     with MemberWriter(dest) as writer:
         for path, (oid, mode) in sorted(entries.items()):
             data = blobs[oid]
             if is_text(data):
                 writer.write(path, PurePosixPath(path), data, executable=mode == "100755")
-                written += 1
             elif path == LICENSE:
                 raise FatalError(f"{tag}: LICENSE is not a text file; refusing it")
             else:
                 skipped.append(path)
         hashes = writer.hashes()
-    return GitTree(commit=commit, files=written, skipped=tuple(skipped), hashes=tuple(hashes))
+    return GitTree(commit=commit, files=len(hashes), skipped=tuple(skipped), hashes=tuple(hashes))
 
 
 def _entries(listing: bytes, tag: str) -> dict[str, tuple[str, str]]:

@@ -337,12 +337,13 @@ def run_matrices(
                 ): (label, arch.name, "")
                 for label, tree, arch in work
             }
-            for label, tree, arch in work:
-                if checked == (label, arch.name):
-                    where = scratch / label / f"{arch.name}-fresh"
-                    futures[
-                        pool.submit(_run_one, fresh, tree, arch, scenarios, stubs, where, hf_home)
-                    ] = (label, arch.name, "fresh")
+            if checked is not None:
+                label, arch = checked[0], next(a for a in archs if a.name == checked[1])
+                where = scratch / label / f"{arch.name}-fresh"
+                twin = pool.submit(
+                    _run_one, fresh, trees[label], arch, scenarios, stubs, where, hf_home
+                )
+                futures[twin] = (label, arch.name, "fresh")
             done: dict[tuple[str, str, str], ArchRun] = {}
             for future in as_completed(futures):
                 key = futures[future]
