@@ -24,7 +24,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from sm120fork.errors import FatalError
 
@@ -44,6 +44,29 @@ _NOT_INSTALLED = "git is not installed or not on PATH; install git and retry"
 
 class GitError(FatalError):
     """A git command failed; the message carries the command and its output."""
+
+
+class Blob(NamedTuple):
+    """A file as a commit holds it (`ls-tree -l`)."""
+
+    mode: str  # "100644", "100755" or "120000"
+    size: int
+    oid: str
+
+
+def listed_blobs(listing: bytes) -> dict[str, Blob] | None:
+    """`ls-tree -r -l -z` output as path -> Blob; None if it lists anything else (a
+    submodule)."""
+    found: dict[str, Blob] = {}
+    for record in listing.decode("utf-8", "surrogateescape").split("\0"):
+        if not record:
+            continue
+        meta, _, path = record.partition("\t")
+        mode, kind, oid, size = meta.split()
+        if kind != "blob":
+            return None
+        found[path] = Blob(mode, int(size), oid)
+    return found
 
 
 def _env(extra: Mapping[str, str] | None, user_config: bool) -> dict[str, str]:

@@ -16,7 +16,7 @@ from sm120fork.patches.applier import ApplyError, Overlay, apply_patch
 from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.patches.patchfile import PatchFile
 from sm120fork.progress import Counter, Progress
-from sm120fork.rebase import fate, ledger, targets
+from sm120fork.rebase import fate, ledger, releasecommits, targets
 from sm120fork.rebase.carry import carry
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
@@ -51,16 +51,18 @@ def prepare(workspace: Workspace, state: RebaseState) -> RebaseState:
     applied in memory (the work tree is first checked out at the new release)."""
     say(f"committing sglang {state.from_version} and the series in a work repository")
     repo = WorkRepo.create(workspace.work)
-    base = repo.commit_dir(workspace.paths.upstream_tree, None, f"sglang {state.from_version}")
+    message = f"sglang {state.from_version}"
+    base = releasecommits.commit_pinned(repo, workspace.paths, message)
     overlay = Overlay(workspace.paths.upstream_tree)
-    tip, patches = base, []
+    series = []
     for patch in state.patches:
         changes = _applied(overlay, parsed(patch))
         if not changes:
             raise FatalError(f"{patch.name} no longer applies to vendor/sglang; run `check`")
-        tip = repo.commit_changes(tip, patch.name, changes)
-        patches.append(replace(patch, commit=tip))
-    state = workspace.save(replace(state, phase="carry", old_base=base, patches=tuple(patches)))
+        series.append((patch.name, changes))
+    commits = repo.commit_series(base, series) if series else []
+    patches = tuple(replace(p, commit=c) for p, c in zip(state.patches, commits, strict=True))
+    state = workspace.save(replace(state, phase="carry", old_base=base, patches=patches))
     crash_point("after-prepare")
     return state
 
@@ -104,7 +106,14 @@ def _carry_release(
     if not state.tip:
         target = state.target
         parent = state.targets[index - 1].base_commit if index else state.old_base
-        base = repo.commit_dir(workspace.tree(target.version), parent, f"sglang {target.version}")
+        base = releasecommits.commit_fetched(
+            repo,
+            workspace.tree(target.version),
+            workspace.release_dir(target.version),
+            target.lock_text,
+            parent,
+            f"sglang {target.version}",
+        )
         state = state.with_target(index, replace(target, base_commit=base))
         state = workspace.save(replace(state, tip=base, patch_index=0))
     repo.checkout(state.tip)  # also whatever a crash left in the work tree

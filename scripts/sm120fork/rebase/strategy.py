@@ -90,18 +90,25 @@ _PARSED: dict[tuple[str, str, int], PatchFile] = {}  # (text, name, strip) -> it
 
 
 def finish(
-    ctx: CarryContext, patch: PatchFile, status: Status, reason: str, strategy: str
+    ctx: CarryContext,
+    patch: PatchFile,
+    status: Status,
+    reason: str,
+    strategy: str,
+    *,
+    paths: tuple[str, ...] | None = None,
 ) -> Outcome:
     """Commit the work tree's change as `patch` on the tip and render it in normal form
-    (an empty change: dropped as upstreamed, the work tree back at the tip)."""
+    (an empty change: dropped as upstreamed, the work tree back at the tip). `paths`:
+    the only files the strategy wrote, when it knows them."""
     repo = ctx.repo
-    commit = repo.commit_worktree(patch.name)
+    commit = repo.commit_worktree(patch.name, paths)
     if commit is None:
         repo.checkout(ctx.tip)
         return Outcome("upstreamed", "carrying it leaves an empty diff", strategy=strategy)
-    paths = repo.changed_paths(ctx.tip, commit)
-    before = {path: repo.read(ctx.tip, path) for path in paths}
-    after = {path: repo.read(commit, path) for path in paths}
+    changed = repo.changed_paths(ctx.tip, commit)
+    before = {path: repo.read(ctx.tip, path) for path in changed}
+    after = {path: repo.read(commit, path) for path in changed}
     text = render_patch(patch.header, ctx.renderer.diff(before, after)).decode("utf-8")
     return Outcome(status, reason, commit, text, strategy=strategy)
 

@@ -20,7 +20,8 @@ def try_exact(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
     """It applies exactly -> clean."""
     if apply_to_worktree(ctx.repo, patch.parsed, allow_offset=False) is None:
         return None
-    return finish(ctx, patch.parsed, "clean", f"applies unchanged to {ctx.version}", "exact")
+    why = f"applies unchanged to {ctx.version}"
+    return finish(ctx, patch.parsed, "clean", why, "exact", paths=patch.parsed.paths)
 
 
 def try_reverse(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
@@ -37,7 +38,7 @@ def try_offset(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:
     if shifted is None:
         return None
     reason = f"applies to {ctx.version} at shifted lines ({_offsets(shifted)}); refreshed"
-    return finish(ctx, patch.parsed, "offset", reason, "offset")
+    return finish(ctx, patch.parsed, "offset", reason, "offset", paths=patch.parsed.paths)
 
 
 def try_reverse_offset(ctx: CarryContext, patch: CarriedPatch) -> Outcome | None:

@@ -18,7 +18,7 @@ import re
 import shutil
 import stat
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -57,11 +57,13 @@ def _quoted(path: bytes) -> bytes:
     return b'"' + path.replace(b"\\", b"\\\\").replace(b'"', b'\\"').replace(b"\n", b"\\n") + b'"'
 
 
-def _file_commands(tree: Path) -> list[bytes]:
-    """fast-import's `M` command for every file and link of `tree` (as `git add` sees
-    them: the owner's execute bit, a link's target; no `.git` inside). The files are
-    read on a few threads: opening 5700 files is mostly waiting on the disk."""
-    found: list[tuple[bytes, bytes, bytes | None, bytes]] = []  # path, mode, link target, file
+Listed = tuple[bytes, bytes, bytes | None, bytes, int]  # path, mode, link target, file, size
+
+
+def _listed(tree: Path) -> list[Listed]:
+    """Every file and link of `tree` as `git add` sees them (the owner's execute bit, a
+    link's target; no `.git` inside), without reading a file."""
+    found: list[Listed] = []
     pending = [(os.fsencode(tree), b"")]
     while pending:
         folder, rel = pending.pop()
@@ -70,25 +72,33 @@ def _file_commands(tree: Path) -> list[bytes]:
                 path = rel + entry.name
                 if entry.is_symlink():
                     target = os.fsencode(Path(os.fsdecode(entry.path)).readlink())
-                    found.append((path, b"120000", target, b""))
+                    found.append((path, b"120000", target, b"", len(target)))
                 elif entry.is_dir():
                     if entry.name != b".git":
                         pending.append((entry.path, path + b"/"))
                 elif entry.is_file():
-                    executable = entry.stat(follow_symlinks=False).st_mode & stat.S_IXUSR
-                    found.append((path, b"100755" if executable else b"100644", None, entry.path))
+                    info = entry.stat(follow_symlinks=False)
+                    mode = b"100755" if info.st_mode & stat.S_IXUSR else b"100644"
+                    found.append((path, mode, None, entry.path, info.st_size))
                 # a fifo or socket: git add skips it too
+    return found
+
+
+def _file_commands(tree: Path) -> list[bytes]:
+    """fast-import's `M` command for every file and link of `tree`, data inline. The
+    files are read on a few threads: opening 5700 files is mostly waiting on the disk."""
+    found = _listed(tree)
     with ThreadPoolExecutor(max_workers=8) as pool:
         datas = pool.map(_read_or_link, found)
         commands: list[bytes] = []
-        for (path, mode, _, _), data in zip(found, datas, strict=True):
+        for (path, mode, _, _, _), data in zip(found, datas, strict=True):
             commands += [b"M ", mode, b" inline ", _quoted(path)]
             commands += [b"\ndata %d\n" % len(data), data, b"\n"]
     return commands
 
 
-def _read_or_link(item: tuple[bytes, bytes, bytes | None, bytes]) -> bytes:
-    _, _, link_target, file = item
+def _read_or_link(item: Listed) -> bytes:
+    _, _, link_target, file, _ = item
     if link_target is not None:
         return link_target
     with open(file, "rb") as handle:
@@ -128,30 +138,75 @@ class WorkRepo:
         # the tree is `tree` alone, not the parent's plus it
         return self._fast_import(message, parent, [b"deleteall\n", *_file_commands(tree)])
 
+    def commit_known(
+        self, tree: Path, known: Mapping[str, gitcmd.Blob], parent: str | None, message: str
+    ) -> str | None:
+        """`commit_dir(tree, ...)`'s commit without reading a file: each file of `tree` by
+        the blob id `known` gives its path, its mode and size checked against it (the
+        blobs readable here: `borrow_objects`). None when a file is not known so, or a
+        known blob is missing: `commit_dir` then."""
+        commands: list[bytes] = [b"deleteall\n"]
+        for path, mode, _, _, size in _listed(tree):
+            blob = known.get(os.fsdecode(path))
+            if blob is None or (blob.mode, blob.size) != (mode.decode(), size):
+                return None
+            commands += [b"M ", mode, b" ", blob.oid.encode(), b" ", _quoted(path), b"\n"]
+        try:
+            return self._fast_import(message, parent, commands)
+        except gitcmd.GitError:  # a blob the borrowed store no longer has
+            return None
+
+    def borrow_objects(self, objects: Path) -> None:
+        """Read the objects of another repository's store (`objects`, its objects
+        directory) as this one's own: git's alternates. Only the scratch repository
+        depends on it, and only while the rebase is under way."""
+        alternates = self.root / ".git" / "objects" / "info" / "alternates"
+        listed = alternates.read_text().splitlines() if alternates.is_file() else []
+        if str(objects) not in listed:
+            alternates.write_text("".join(f"{line}\n" for line in [*listed, str(objects)]))
+
     def commit_changes(self, parent: str, message: str, changes: Mapping[str, str | None]) -> str:
         """Commit `parent` with `changes` (path -> new text, None: deleted) made, without the
         work tree: the commit `git add -A` and `git commit` would make after writing them
         there (a changed file keeps its mode, a new one is 100644)."""
-        listed = self.git("ls-tree", "-z", parent, "--", *changes).stdout.decode()
+        return self.commit_series(parent, [(message, changes)])[-1]
+
+    def commit_series(
+        self, parent: str, series: Sequence[tuple[str, Mapping[str, str | None]]]
+    ) -> list[str]:
+        """`commit_changes` of each (message, changes) in turn, each on the one before,
+        in one fast-import: the commits, in order."""
+        paths = sorted({path for _, changes in series for path in changes})
+        listed = self.git("ls-tree", "-z", parent, "--", *paths).stdout.decode() if paths else ""
         modes = {
             entry.split("\t", 1)[1]: entry.split(" ", 1)[0] for entry in listed.split("\0") if entry
         }
-        commands: list[bytes] = []
-        for path, text in sorted(changes.items()):
-            quoted = _quoted(path.encode("utf-8"))
-            if text is None:
-                commands += [b"D ", quoted, b"\n"]
-                continue
-            data = text.encode("utf-8")
-            mode = modes.get(path, "100644").encode()
-            commands += [b"M ", mode, b" inline ", quoted, b"\ndata %d\n" % len(data), data, b"\n"]
-        return self._fast_import(message, parent, commands)
+        commits: list[bytes] = []
+        for number, (message, changes) in enumerate(series, start=1):
+            commands: list[bytes] = []
+            for path, text in sorted(changes.items()):
+                quoted = _quoted(path.encode("utf-8"))
+                if text is None:
+                    commands += [b"D ", quoted, b"\n"]
+                    modes.pop(path, None)  # re-created later: a new file
+                    continue
+                data = text.encode("utf-8")
+                mode = modes.setdefault(path, "100644").encode()
+                commands += [b"M ", mode, b" inline ", quoted, b"\ndata %d\n" % len(data)]
+                commands += [data, b"\n"]
+            from_ = parent if number == 1 else f":{number - 1}"
+            commits.append(self._commit_command(number, message, from_, commands))
+        return self._run_fast_import(commits, len(series))
 
     def _fast_import(self, message: str, parent: str | None, commands: list[bytes]) -> str:
         """One commit of `commands` (fast-import's file commands) on `parent`, with the
         work repository's identity and date: the id `git commit` would give it."""
-        marks = self.root / ".git" / "sm120fork-commit-dir.marks"
-        head = [b"reset ", _SCRATCH_REF, b"\ncommit ", _SCRATCH_REF, b"\nmark :1\n"]
+        return self._run_fast_import([self._commit_command(1, message, parent, commands)], 1)[0]
+
+    @staticmethod
+    def _commit_command(mark: int, message: str, parent: str | None, files: list[bytes]) -> bytes:
+        """fast-import's `commit` of `files` on `parent` (a commit id or `:mark`)."""
+        head = [b"commit ", _SCRATCH_REF, b"\nmark :%d\n" % mark]
         for who in ("AUTHOR", "COMMITTER"):
             name, email = _IDENTITY[f"GIT_{who}_NAME"], _IDENTITY[f"GIT_{who}_EMAIL"]
             head.append(f"{who.lower()} {name} <{email}> {_EPOCH} +0000\n".encode())
@@ -159,14 +214,19 @@ class WorkRepo:
         head += [b"data %d\n" % len(text), text]
         if parent:
             head.append(f"from {parent}\n".encode())
-        stream = b"".join([*head, *commands, b"\n"])
+        return b"".join([*head, *files, b"\n"])
+
+    def _run_fast_import(self, commits: list[bytes], count: int) -> list[str]:
+        """Run fast-import on `commits` (marked 1..count): their ids, in mark order."""
+        marks = self.root / ".git" / "sm120fork-commit-dir.marks"
+        stream = b"".join([b"reset ", _SCRATCH_REF, b"\n", *commits])
         # No deltas, light compression: a scratch pack, written once and thrown away
         # (for a release, 1 s and 22 MB; with fast-import's deltas, 2.1 s and 20 MB).
         fast_import = ["-c", "core.compression=1", "fast-import", "--quiet", "--force", "--depth=0"]
         self.git(*fast_import, f"--export-marks={marks}", input=stream)
-        commit = marks.read_text().split()[1]
+        marked = dict(line.split() for line in marks.read_text().splitlines())
         marks.unlink()
-        return commit
+        return [marked[f":{number}"] for number in range(1, count + 1)]
 
     def checkout(self, commit: str) -> None:
         """Make the work tree exactly `commit`, whatever state a crash left it in."""
@@ -174,13 +234,22 @@ class WorkRepo:
         self.git("checkout", "-q", "-f", "--detach", commit)
         self.git("clean", "-q", "-f", "-d", "-x")
 
-    def commit_worktree(self, message: str) -> str | None:
-        """Commit every change of the work tree on HEAD; None if nothing changed."""
-        self.git("add", "-A", ".")
-        if self.git("diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
+    def commit_worktree(self, message: str, paths: Sequence[str] | None = None) -> str | None:
+        """Commit every change of the work tree on HEAD (only `paths`, the files a
+        strategy wrote, when it names them: git then looks at no other file); None if
+        nothing changed. The commit `git commit` makes, without its second look at
+        every file of the index."""
+        if paths is None:
+            self.git("add", "-A", ".")
+        else:
+            self.git("update-index", "--add", "--remove", "--", *paths)
+        tree = self.out("write-tree")
+        head, head_tree = self.out("rev-parse", "HEAD", "HEAD^{tree}").split()
+        if tree == head_tree:
             return None
-        self.git("commit", "-q", "--no-verify", "-m", message)
-        return self.out("rev-parse", "HEAD")
+        commit = self.out("commit-tree", tree, "-p", head, "-m", message)
+        self.git("update-ref", "HEAD", commit)
+        return commit
 
     def cherry_pick(self, commit: str) -> bool:
         """3-way merge `commit`'s change into the work tree; False on conflict."""

@@ -54,7 +54,7 @@ def release_tags(url: str, workdir: Path) -> dict[str, str]:
 
 def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
     """Write `LICENSE` and the text files of `python/sglang` at `tag` under `dest`."""
-    git_dir = workdir / "upstream.git"
+    git_dir = fetched_repository(workdir)
     git = ["--git-dir", str(git_dir)]
     gitcmd.run(["init", "-q", "--bare", str(git_dir)], workdir)
     ref = f"refs/tags/{tag}"
@@ -84,6 +84,25 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
                 skipped.append(path)
         hashes = writer.hashes()
     return GitTree(commit=commit, files=len(hashes), skipped=tuple(skipped), hashes=tuple(hashes))
+
+
+def fetched_repository(workdir: Path) -> Path:
+    """The bare repository `fetch_tree(..., workdir, ...)` fetches into (and leaves)."""
+    return workdir / "upstream.git"
+
+
+def fetched_files(workdir: Path, commit: str) -> dict[str, gitcmd.Blob] | None:
+    """What `fetch_tree` may have written from `commit` (LICENSE and python/sglang), as
+    the repository it fetched into holds them; None when that repository is gone."""
+    git_dir = fetched_repository(workdir)
+    if not git_dir.is_dir():
+        return None
+    listing = [
+        *("--git-dir", str(git_dir), "ls-tree", "-r", "-l", "-z", "--full-tree", commit),
+        *("--", LICENSE, SUBTREE),
+    ]
+    listed = gitcmd.run(listing, workdir, check=False)
+    return gitcmd.listed_blobs(listed.stdout) if listed.returncode == 0 else None
 
 
 def _entries(listing: bytes, tag: str) -> dict[str, tuple[str, str]]:
