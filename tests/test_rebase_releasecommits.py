@@ -196,3 +196,26 @@ def test_a_worktree_committed_through_its_paths_is_the_whole_worktree_commit(
         assert repo.dirty_paths() == []
         assert repo.commit_worktree("again", paths) is None  # nothing left to commit
     assert commits[0] == commits[1] and commits[0] is not None
+
+
+def test_a_store_borrowed_while_files_are_being_read_is_read_too(tmp_path: Path) -> None:
+    """The next release's store is borrowed while the work repository's reader of the
+    release before is running (a `rebase --step`): its files must be found."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for store, text in ((first, "x = 1\n"), (second, "x = 2\n")):
+        (store / "python").mkdir(parents=True)
+        (store / "python" / "mod.py").write_text(text)
+        hermetic.git("init", "-q", ".", cwd=store)
+        hermetic.git("add", "-A", ".", cwd=store)
+    repo = WorkRepo.create(tmp_path / "work")
+    commits: list[str] = []
+    for store in (first, second):
+        written = hermetic.output("write-tree", cwd=store)
+        listing = hermetic.git("ls-tree", "-r", "-l", "-z", written, cwd=store).stdout
+        known = gitcmd.listed_blobs(listing.encode("utf-8", "surrogateescape"))
+        assert known is not None
+        repo.borrow_objects(store / ".git" / "objects")
+        commit = repo.commit_known(store, known, commits[-1] if commits else None, "m")
+        assert commit is not None
+        commits.append(commit)
+        assert repo.read(commit, "python/mod.py") == (store / "python" / "mod.py").read_text()

@@ -196,7 +196,8 @@ def test_both_patches_rows_hold_on_the_result(
 @pytest.mark.parametrize("edit", [reformat, move, fix_upstream])
 def test_each_edit_applies_to_the_pinned_tree(tmp_path: Path, edit: Callable[[Path], None]) -> None:
     """The synthetic edits still find their text in vendor/sglang (a rebase of the
-    fork itself would otherwise turn these cases into a failed setup)."""
+    fork itself would otherwise turn these cases into a failed setup). The edits touch
+    the model overrides only, so only those are copied."""
     tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "vendor" / "sglang" / "python", tree / "python")
+    shutil.copytree(ROOT / "vendor" / "sglang" / OVERRIDES, tree / OVERRIDES)
     edit(tree)

@@ -164,6 +164,11 @@ class WorkRepo:
         listed = alternates.read_text().splitlines() if alternates.is_file() else []
         if str(objects) not in listed:
             alternates.write_text("".join(f"{line}\n" for line in [*listed, str(objects)]))
+            # git reads the alternates once a process: a `cat-file --batch` started
+            # before would never find the objects only the new store holds.
+            reader = self.__dict__.pop("_objects", None)
+            if reader is not None:
+                reader.close()
 
     def commit_changes(self, parent: str, message: str, changes: Mapping[str, str | None]) -> str:
         """Commit `parent` with `changes` (path -> new text, None: deleted) made, without the

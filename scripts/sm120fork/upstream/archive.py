@@ -31,10 +31,14 @@ _ALTERED = "the wheel was altered or damaged, download it again from the index"
 class WheelTree:
     """What `extract_wheel_package` wrote, and what it left out."""
 
-    files: int
     skipped: tuple[str, ...]  # member names of binary files not written
     license: tuple[str, bytes] | None  # (member, bytes) of the dist-info LICENSE, if any
     hashes: tuple[tuple[str, str], ...] = ()  # (member, sha256 hex) of each file written
+
+    @property
+    def files(self) -> int:
+        """How many files were written."""
+        return len(self.hashes)
 
 
 def is_text(data: bytes) -> bool:
@@ -158,7 +162,7 @@ def extract_wheel_package(wheel: Path, package: str, dest: Path) -> WheelTree:
         declared = _license_files(archive.read(metadata)) if metadata in listed else []
         hashes = writer.hashes()
     license = _pick_license(dist_info, declared, license_files)
-    return WheelTree(len(hashes), tuple(skipped), license, tuple(hashes))
+    return WheelTree(tuple(skipped), license, tuple(hashes))
 
 
 def _check_zip_members(infos: list[zipfile.ZipInfo], archive: str) -> None:

@@ -24,9 +24,13 @@ _RELEASE_TAG = re.compile(r"v?(\d+(?:\.\d+)+(?:\.post\d+)?)")
 @dataclass(frozen=True)
 class GitTree:
     commit: str
-    files: int
     skipped: tuple[str, ...]  # paths of binary files not written
     hashes: tuple[tuple[str, str], ...] = ()  # (path, sha256 hex) of each file written
+
+    @property
+    def files(self) -> int:
+        """How many files were written."""
+        return len(self.hashes)
 
 
 def public_url(url: str) -> str:
@@ -83,7 +87,7 @@ def fetch_tree(url: str, tag: str, workdir: Path, dest: Path) -> GitTree:
             else:
                 skipped.append(path)
         hashes = writer.hashes()
-    return GitTree(commit=commit, files=len(hashes), skipped=tuple(skipped), hashes=tuple(hashes))
+    return GitTree(commit=commit, skipped=tuple(skipped), hashes=tuple(hashes))
 
 
 def fetched_repository(workdir: Path) -> Path:
