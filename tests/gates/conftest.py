@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,11 +116,27 @@ def gate_archs(pytestconfig: pytest.Config) -> tuple[spec.Arch, ...]:
 
 
 @pytest.fixture(scope="session")
+def zygote_pool(
+    tmp_path_factory: pytest.TempPathFactory, gate_trees: dict[str, trees.Tree]
+) -> Iterator[runner.ZygotePool]:
+    """One zygote per architecture for the whole session: the synthetic walks' row
+    checks and the matrix fork their children from the same ones. Its fakes cover the
+    trees under test; a walk's trees are copies of vendor/sglang (no extensions)."""
+    scratch = tmp_path_factory.mktemp("zygotes")
+    paths = [tree.path for tree in gate_trees.values()]
+    stubs = runner.prepare_fakes(sys.executable, scratch / "fakes", paths)
+    pool = runner.ZygotePool(sys.executable, stubs, scratch, scratch / "hf-home")
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def matrices(
     pytestconfig: pytest.Config,
     tmp_path_factory: pytest.TempPathFactory,
     gate_trees: dict[str, trees.Tree],
     gate_archs: tuple[spec.Arch, ...],
+    zygote_pool: runner.ZygotePool,
 ) -> dict[str, runner.MatrixRun]:
     """Observe every tree on every architecture once per session (children in parallel),
     counting the children done on the terminal (pytest's capture is off meanwhile).
@@ -143,6 +160,7 @@ def matrices(
             jobs=jobs,
             on_done=on_done,
             fresh_check=(next(iter(gate_trees)), _fresh_checked(gate_archs)),
+            zygotes=zygote_pool,
         )
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from . import synthetic
-from .gate_harness import spec, table
+from .gate_harness import runner, spec, table
 from .test_synthetic_releases import EXAONE, resolved_in_steps, rows_hold, rows_of
 from .test_synthetic_releases import move as move_exaone
 
@@ -184,7 +184,7 @@ def test_an_override_moved_to_another_module_is_resolved_there(
 
 
 def test_gate_rows_hold_on_the_resolved_tree(
-    landed: tuple[Path, dict[str, object]], tmp_path: Path
+    landed: tuple[Path, dict[str, object]], tmp_path: Path, zygote_pool: runner.ZygotePool
 ) -> None:
     """The Glm4Moe rows (the fixture patch decides what the series decides there, so
     they judge it) and the Exaone patch's own rows, on sm100, sm120 and sm121."""
@@ -192,4 +192,5 @@ def test_gate_rows_hold_on_the_resolved_tree(
     every = table.load_table([a.name for a in spec.load_archs()]).rows
     glm4 = [r for r in every if r.scenario.startswith("glm4_moe")]
     assert glm4, "no expectation rows for the Glm4Moe scenarios"
-    rows_hold(tree, [*glm4, *(r for r in rows_of([EXAONE]) if r not in glm4)], tmp_path)
+    rows = [*glm4, *(r for r in rows_of([EXAONE]) if r not in glm4)]
+    rows_hold(tree, rows, tmp_path, zygote_pool)

@@ -128,12 +128,16 @@ def rows_of(patches: Sequence[str]) -> list[table.Row]:
     return mine
 
 
-def rows_hold(tree: Path, rows: Sequence[table.Row], scratch: Path) -> None:
+def rows_hold(
+    tree: Path, rows: Sequence[table.Row], scratch: Path, zygotes: runner.ZygotePool
+) -> None:
     """`rows` match on `tree` on sm100, sm120 and sm121 (one child interpreter an
-    architecture, for every row's scenario)."""
+    architecture, for every row's scenario, forked from the session's zygotes)."""
     archs = [a for a in spec.load_archs() if a.name in ("sm100", "sm120", "sm121")]
     scenarios = [spec.load_scenarios()[name] for name in sorted({r.scenario for r in rows})]
-    matrix = runner.run_matrices({"result": tree}, archs, scenarios, scratch=scratch, jobs=2)
+    matrix = runner.run_matrices(
+        {"result": tree}, archs, scenarios, scratch=scratch, jobs=2, zygotes=zygotes
+    )
     observations = matrix["result"].observations
     wrong = [
         f"{row.label} {cell.describe()}"
@@ -187,10 +191,10 @@ def test_the_same_decision_in_other_code_is_upstreamed(
 
 
 def test_both_patches_rows_hold_on_the_result(
-    landed: tuple[Path, dict[str, object], str], tmp_path: Path
+    landed: tuple[Path, dict[str, object], str], tmp_path: Path, zygote_pool: runner.ZygotePool
 ) -> None:
     tree, _, _ = landed
-    rows_hold(tree, rows_of([EXAONE, OLMO2]), tmp_path / "rows")
+    rows_hold(tree, rows_of([EXAONE, OLMO2]), tmp_path / "rows", zygote_pool)
 
 
 @pytest.mark.parametrize("edit", [reformat, move, fix_upstream])

@@ -155,10 +155,14 @@ class Zygote:
             raise HarnessError(f"the gate zygote died; its log: {self._log.name}")
         return code
 
-    def close(self) -> None:
-        """End the zygote (its stdin at EOF: it waits for its children) and its pipes."""
-        if self._process.stdin is not None:
+    def stop(self) -> None:
+        """Ask the zygote to end: its stdin at EOF (it waits for its children first)."""
+        if self._process.stdin is not None and not self._process.stdin.closed:
             self._process.stdin.close()
+
+    def close(self) -> None:
+        """End the zygote (`stop`, then wait for it) and its pipes."""
+        self.stop()
         self._process.wait(timeout=CHILD_TIMEOUT_S)
         self._reader.join(timeout=60)
         if self._process.stdout is not None:
@@ -231,15 +235,25 @@ def _fresh_process(python: str) -> Start:
     return start
 
 
-class _Zygotes:
-    """A zygote per architecture: started with its first child, ended after its last (the
-    work is ordered by architecture, so about as many are alive as there are jobs)."""
+class ZygotePool:
+    """A zygote per architecture, started with its first child. Given `children` (the
+    children to come, per architecture), a zygote ends after its last one (the work is
+    ordered by architecture, so about as many are alive as there are jobs); without,
+    every zygote lives until `close`, for all the matrices run with this pool: a test
+    session primes each architecture once (about 5 s a zygote), not once a matrix.
+    Children run with the pool's fakes and HF_HOME, which a zygote's imports fixed."""
 
     def __init__(
-        self, python: str, stubs: Fakes, scratch: Path, hf_home: Path, children: Mapping[str, int]
+        self,
+        python: str,
+        stubs: Fakes,
+        scratch: Path,
+        hf_home: Path,
+        children: Mapping[str, int] | None = None,
     ) -> None:
-        self._python, self._stubs, self._scratch, self._hf_home = python, stubs, scratch, hf_home
-        self._left = dict(children)  # architecture -> its children not yet ended
+        self.python, self.stubs, self.hf_home = python, stubs, hf_home
+        self._scratch = scratch
+        self._left = dict(children) if children is not None else None
         self._lock = threading.Lock()
         self._alive: dict[str, Zygote] = {}
 
@@ -251,26 +265,35 @@ class _Zygotes:
             zygote = self._alive.get(arch.name)
             if zygote is None:
                 primed.mkdir(parents=True, exist_ok=True)
-                prime_env = child_environ(arch, self._stubs, primed, self._hf_home)
-                zygote = Zygote(self._python, arch, prime_env, primed / "zygote.log")
+                prime_env = child_environ(arch, self.stubs, primed, self.hf_home)
+                zygote = Zygote(self.python, arch, prime_env, primed / "zygote.log")
                 self._alive[arch.name] = zygote
         try:
             return zygote.run(argv, env, cwd, log)
         finally:
+            last = False
             with self._lock:
-                self._left[arch.name] -= 1
-                last = self._left[arch.name] <= 0
-                if last:
-                    del self._alive[arch.name]
+                if self._left is not None:
+                    self._left[arch.name] -= 1
+                    last = self._left[arch.name] <= 0
+                    if last:
+                        del self._alive[arch.name]
             if last:
                 zygote.close()
                 _refuse_unexpected_queries(primed)
 
-    def close(self) -> None:
+    def close(self, *, check: bool = True) -> None:
+        """End every zygote still alive; `check`: what they asked the fake nvidia-smi
+        in vain fails here (not while another error is on its way)."""
         with self._lock:
-            alive, self._alive = list(self._alive.values()), {}
-        for zygote in alive:
+            alive, self._alive = dict(self._alive), {}
+        for zygote in alive.values():
+            zygote.stop()  # all at once: each then ends while the next is waited for
+        for zygote in alive.values():
             zygote.close()
+        if check:
+            for name in alive:
+                _refuse_unexpected_queries(self._scratch / f"zygote-{name}")
 
 
 def _refuse_unexpected_queries(primed: Path) -> None:
@@ -305,21 +328,30 @@ def run_matrices(
     stubs: Fakes | None = None,
     on_done: Callable[[str, ArchRun], None] | None = None,
     fresh_check: tuple[str, str] | None = None,
+    zygotes: ZygotePool | None = None,
 ) -> dict[str, MatrixRun]:
     """Observe every scenario on every architecture for every tree (label -> path);
     `on_done(label, run)` is called (in this thread) as each child finishes.
 
     `fresh_check` (tree label, architecture): that child also runs as a fresh
     `python child.py`, and any observation that differs from its forked twin's fails
-    the matrix (HarnessError): the zygote's claim to change nothing, checked."""
-    stubs = stubs or prepare_fakes(python, scratch / "fakes", list(trees.values()))
+    the matrix (HarnessError): the zygote's claim to change nothing, checked.
+    `zygotes`: a pool kept across matrices (its fakes and HF_HOME are then the
+    children's too); without one, this matrix's own, ended with it."""
+    if zygotes is not None:
+        stubs, hf_home, python = zygotes.stubs, zygotes.hf_home, zygotes.python
+    else:
+        stubs = stubs or prepare_fakes(python, scratch / "fakes", list(trees.values()))
+        hf_home = scratch / "hf-home"
     jobs = jobs or os.cpu_count() or 1
-    hf_home = scratch / "hf-home"
     # By architecture: each zygote serves every tree's child of its architecture.
     work = [(label, tree, arch) for arch in archs for label, tree in trees.items()]
     use_zygote = os.environ.get("SM120_GATE_ZYGOTE", "1") != "0" and bool(archs)
     fresh = _fresh_process(python)
-    zygotes = _Zygotes(python, stubs, scratch, hf_home, {arch.name: len(trees) for arch in archs})
+    own = zygotes is None
+    if zygotes is None:
+        children = {arch.name: len(trees) for arch in archs}
+        zygotes = ZygotePool(python, stubs, scratch, hf_home, children)
     start = zygotes.start if use_zygote else fresh
     checked = fresh_check if use_zygote and fresh_check else None
     try:
@@ -351,7 +383,8 @@ def run_matrices(
                 if on_done is not None and not key[2]:
                     on_done(key[0], done[key])
     finally:
-        zygotes.close()
+        if own:
+            zygotes.close(check=False)  # each zygote was checked after its last child
     if checked is not None:
         differ = _differences(done[(*checked, "")], done[(*checked, "fresh")])
         if differ:

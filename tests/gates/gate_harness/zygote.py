@@ -155,7 +155,11 @@ def main() -> int:
         elif not reading:
             time.sleep(0.05)
         _reap(running, answer)
-    return 0
+    answers.flush()
+    sys.stderr.flush()
+    # Every child has ended and been answered: tearing down torch, transformers and the
+    # rest would only cost seconds (a session ends seven zygotes).
+    os._exit(0)
 
 
 if __name__ == "__main__":
