@@ -49,11 +49,28 @@ def _run(cmd: list[str]) -> str:
     return proc.stdout
 
 
-def _needs_libcuda(shared_object: Path) -> bool:
-    proc = subprocess.run(
-        ["readelf", "-d", str(shared_object)], capture_output=True, text=True, check=False
-    )
-    return proc.returncode == 0 and re.search(r"\[libcuda\.so[^\]]*\]", proc.stdout) is not None
+_BATCH = 200  # shared objects per readelf / nm process (700 in the gate environment)
+_LIBCUDA = re.compile(r"\[libcuda\.so[^\]]*\]")
+
+
+def _needing_libcuda(shared_objects: list[Path]) -> list[Path]:
+    """Those of `shared_objects` whose dynamic section lists libcuda.so* as NEEDED, read
+    by one `readelf -d` per batch (a file readelf cannot read needs nothing)."""
+    needing: list[Path] = []
+    for start in range(0, len(shared_objects), _BATCH):
+        batch = shared_objects[start : start + _BATCH]
+        if len(batch) == 1:  # readelf heads its output with "File:" only for several
+            batch = [*batch, batch[0]]
+        proc = subprocess.run(
+            ["readelf", "-d", *map(str, batch)], capture_output=True, text=True, check=False
+        )
+        current = None
+        for line in proc.stdout.splitlines():
+            if line.startswith("File: "):
+                current = Path(line[len("File: ") :])
+            elif current is not None and _LIBCUDA.search(line) and current not in needing:
+                needing.append(current)
+    return needing
 
 
 def _shared_objects(site_packages: Iterable[Path]) -> Iterable[Path]:
@@ -66,13 +83,15 @@ def _shared_objects(site_packages: Iterable[Path]) -> Iterable[Path]:
 def driver_symbols(site_packages: Iterable[Path]) -> list[str]:
     """Every CUDA driver entry point that some shared object in the environment imports."""
     symbols: set[str] = set()
-    for so in _shared_objects(site_packages):
-        if not _needs_libcuda(so):
-            continue
-        for line in _run(["nm", "-D", "--undefined-only", str(so)]).splitlines():
-            name = line.split()[-1].split("@")[0]
-            if _DRIVER_SYMBOL.match(name):
-                symbols.add(name)
+    needing = _needing_libcuda(list(_shared_objects(site_packages)))
+    for start in range(0, len(needing), _BATCH):
+        batch = [str(so) for so in needing[start : start + _BATCH]]
+        for line in _run(["nm", "-D", "--undefined-only", *batch]).splitlines():
+            fields = line.split()
+            if fields and not line.endswith(":"):  # "FILE:" heads each file's symbols
+                name = fields[-1].split("@")[0]
+                if _DRIVER_SYMBOL.match(name):
+                    symbols.add(name)
     return sorted(symbols)
 
 
