@@ -72,54 +72,32 @@ def tests(session: nox.Session) -> None:
         tree_args = [arg for tree in trees for arg in ("--gate-tree", tree)]
         _run_gate_tests(session, [*tree_args, f"--basetemp={scratch / 'gates'}"])
     finally:
-        quick_failed = _finish_quick_tests(session, quick)
+        quick_failed = _finish_quick_tests(session, *quick)
         shutil.rmtree(scratch, ignore_errors=True)
     if quick_failed:
         session.error("the tool's tests failed (their output is above)")
 
 
-QUICK_SHARES = 2  # the tool's tests in two processes: the last minutes use both cores
-
-
-def _start_quick_tests(
-    session: nox.Session, scratch: Path
-) -> list[tuple[subprocess.Popen[bytes], Path]]:
-    """The tool's tests in the background: split by file over QUICK_SHARES pytest
-    processes (with arguments, one process runs exactly them). The gate tests end
-    before them, and one process alone would leave a core idle until they end."""
+def _start_quick_tests(session: nox.Session, scratch: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    log = scratch / "quick.log"
     bin_dir = str(session.bin)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    if session.posargs:
-        shares = [list(session.posargs)]
-    else:
-        files = sorted(str(path) for path in Path("tests").glob("test_*.py"))
-        shares = [files[k::QUICK_SHARES] for k in range(QUICK_SHARES)]
-    started = []
-    for k, share in enumerate(shares):
-        log = scratch / f"quick-{k}.log"
-        argv = [f"{bin_dir}/pytest", "-q", f"--ignore={GATE_TESTS}"]
-        argv += [f"--basetemp={scratch / f'quick-{k}'}", "--durations=5"]  # where time goes
-        shown = "*session.posargs" if session.posargs else f"{len(share)} test files"
-        session.log(f"{' '.join(argv[1:])} {shown} (in the background, output at its end)")
-        with log.open("wb") as out:
-            process = subprocess.Popen(
-                [*argv, *share], stdout=out, stderr=subprocess.STDOUT, env=env
-            )
-        started.append((process, log))
-    return started
+    argv = [f"{bin_dir}/pytest", "-q", f"--ignore={GATE_TESTS}", f"--basetemp={scratch / 'quick'}"]
+    argv.append("--durations=10")  # where the suite's time goes, at its end
+    session.log(f"{' '.join(argv[1:])} *session.posargs (in the background, output at its end)")
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*argv, *session.posargs], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    return process, log
 
 
-def _finish_quick_tests(
-    session: nox.Session, started: list[tuple[subprocess.Popen[bytes], Path]]
-) -> bool:
-    """Wait for the tool's tests and show their output; True when any share failed."""
-    failed = False
-    for k, (process, log) in enumerate(started, start=1):
-        code = process.wait()
-        session.log(f"the tool's tests, share {k} of {len(started)}, exited {code}:")
-        print(log.read_text(errors="replace"), end="", flush=True)
-        failed = failed or code != 0
-    return failed
+def _finish_quick_tests(session: nox.Session, process: subprocess.Popen[bytes], log: Path) -> bool:
+    """Wait for the tool's tests and show their output; True when they failed."""
+    code = process.wait()
+    session.log(f"the tool's tests (pytest -q --ignore={GATE_TESTS}) exited {code}:")
+    print(log.read_text(errors="replace"), end="", flush=True)
+    return code != 0
 
 
 @nox.session(python=PYTHON)
