@@ -6,6 +6,12 @@ environment so that both sides do the same work on the same repository.
 Inputs: the vendored upstream files of this checkout's HEAD (`vendor/sglang`),
 read as a rebase reads files of its work repository (`WorkRepo.read`). Set-up
 (listing the files, warming the page cache) is not timed.
+
+Two rows of issue #20 on the work repository itself: committing the pinned
+release from this checkout's own git objects (`rebase/releasecommits.py`)
+against reading every file (`WorkRepo.commit_dir`), and committing a carried
+patch through the file it wrote against `git add -A .` + `git commit` of the
+whole work tree (`WorkRepo.commit_worktree(paths)` against its route before).
 """
 
 from __future__ import annotations
@@ -13,10 +19,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from bench_common import PROJECT, Row, compare, tool_env
 from sm120fork import gitcmd
+from sm120fork.paths import RepoPaths
+from sm120fork.rebase import releasecommits
+from sm120fork.rebase.workrepo import WorkRepo
 
 FILES = 400
 COMMANDS = 100
@@ -57,7 +69,10 @@ def rows(runs: int) -> list[Row]:
         ["ls-tree", "-r", "-z", "--name-only", "HEAD", "--", "vendor/sglang/python"], PROJECT
     )
     paths = sorted(p for p in listing.split("\0") if p.endswith(".py"))[:FILES]
-    return [_read_row(runs, paths), _command_row(runs), _import_row(runs)]
+    rows = [_read_row(runs, paths), _command_row(runs), _import_row(runs)]
+    with tempfile.TemporaryDirectory(prefix="sm120-bench-work-") as scratch:
+        rows += [_release_commit_row(runs, Path(scratch)), _patch_commit_row(runs, Path(scratch))]
+    return rows
 
 
 def _read_row(runs: int, paths: list[str]) -> Row:
@@ -127,4 +142,69 @@ def _import_row(runs: int) -> Row:
         ours_s=tuple(mine),
         baseline_s=tuple(theirs),
         note="once per command",
+    )
+
+
+COMMITS = 20  # carried patches a run
+
+
+def _release_commit_row(runs: int, scratch: Path) -> Row:
+    paths = RepoPaths(PROJECT)
+    counter = iter(range(10**6))
+
+    def timed(commit: Callable[[WorkRepo], str]) -> float:
+        repo = WorkRepo.create(scratch / f"release-{next(counter)}")
+        start = time.perf_counter()
+        commit(repo)
+        return time.perf_counter() - start
+
+    mine, theirs = compare(
+        runs,
+        lambda: timed(lambda repo: releasecommits.commit_pinned(repo, paths, "sglang")),
+        lambda: timed(lambda repo: repo.commit_dir(paths.upstream_tree, None, "sglang")),
+    )
+    return Row(
+        what="commit the pinned release in a rebase's work repository",
+        ours="`releasecommits.commit_pinned`: from the fork's own git objects",
+        baseline="`WorkRepo.commit_dir`: every file read, one `git fast-import`",
+        ours_s=tuple(mine),
+        baseline_s=tuple(theirs),
+        target_ratio=1.0,
+        note="reads the files itself when vendor/ differs from HEAD",
+    )
+
+
+def _patch_commit_row(runs: int, scratch: Path) -> Row:
+    repo = WorkRepo.create(scratch / "carry")
+    repo.checkout(releasecommits.commit_pinned(repo, RepoPaths(PROJECT), "sglang"))
+    carried = "python/sglang/version.py"
+    counter = iter(range(10**6))
+
+    def commits(paths: tuple[str, ...] | None) -> float:
+        start = time.perf_counter()
+        for _ in range(COMMITS):
+            with (repo.root / carried).open("a") as file:
+                file.write(f"# carried {next(counter)}\n")
+            repo.commit_worktree("sm120-bench.patch", paths)
+        return time.perf_counter() - start
+
+    def before() -> float:  # commit_worktree before issue #20's change
+        start = time.perf_counter()
+        for _ in range(COMMITS):
+            with (repo.root / carried).open("a") as file:
+                file.write(f"# carried {next(counter)}\n")
+            repo.git("add", "-A", ".")
+            repo.git("diff", "--cached", "--quiet", "HEAD", check=False)
+            repo.git("commit", "-q", "--no-verify", "-m", "sm120-bench.patch")
+            repo.out("rev-parse", "HEAD")
+        return time.perf_counter() - start
+
+    mine, theirs = compare(runs, lambda: commits((carried,)), before)
+    return Row(
+        what=f"commit {COMMITS} carried patches in a work tree of the release",
+        ours="`WorkRepo.commit_worktree(paths)`: `update-index` of the file, `commit-tree`",
+        baseline="before #20: `git add -A .` + `git commit` (every file of the tree looked at)",
+        ours_s=tuple(mine),
+        baseline_s=tuple(theirs),
+        target_ratio=1.0,
     )
