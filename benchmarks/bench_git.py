@@ -16,6 +16,7 @@ whole work tree (`WorkRepo.commit_worktree(paths)` against its route before).
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -150,10 +151,10 @@ COMMITS = 20  # carried patches a run
 
 def _release_commit_row(runs: int, scratch: Path) -> Row:
     paths = RepoPaths(PROJECT)
-    counter = iter(range(10**6))
+    repos = itertools.count()
 
     def timed(commit: Callable[[WorkRepo], str]) -> float:
-        repo = WorkRepo.create(scratch / f"release-{next(counter)}")
+        repo = WorkRepo.create(scratch / f"release-{next(repos)}")
         start = time.perf_counter()
         commit(repo)
         return time.perf_counter() - start
@@ -178,28 +179,26 @@ def _patch_commit_row(runs: int, scratch: Path) -> Row:
     repo = WorkRepo.create(scratch / "carry")
     repo.checkout(releasecommits.commit_pinned(repo, RepoPaths(PROJECT), "sglang"))
     carried = "python/sglang/version.py"
-    counter = iter(range(10**6))
+    lines = itertools.count()
 
-    def commits(paths: tuple[str, ...] | None) -> float:
+    def by_paths() -> None:
+        repo.commit_worktree("sm120-bench.patch", (carried,))
+
+    def by_whole_tree() -> None:  # commit_worktree before issue #20's change
+        repo.git("add", "-A", ".")
+        repo.git("diff", "--cached", "--quiet", "HEAD", check=False)
+        repo.git("commit", "-q", "--no-verify", "-m", "sm120-bench.patch")
+        repo.out("rev-parse", "HEAD")
+
+    def commits(commit: Callable[[], None]) -> float:
         start = time.perf_counter()
         for _ in range(COMMITS):
             with (repo.root / carried).open("a") as file:
-                file.write(f"# carried {next(counter)}\n")
-            repo.commit_worktree("sm120-bench.patch", paths)
+                file.write(f"# carried {next(lines)}\n")
+            commit()
         return time.perf_counter() - start
 
-    def before() -> float:  # commit_worktree before issue #20's change
-        start = time.perf_counter()
-        for _ in range(COMMITS):
-            with (repo.root / carried).open("a") as file:
-                file.write(f"# carried {next(counter)}\n")
-            repo.git("add", "-A", ".")
-            repo.git("diff", "--cached", "--quiet", "HEAD", check=False)
-            repo.git("commit", "-q", "--no-verify", "-m", "sm120-bench.patch")
-            repo.out("rev-parse", "HEAD")
-        return time.perf_counter() - start
-
-    mine, theirs = compare(runs, lambda: commits((carried,)), before)
+    mine, theirs = compare(runs, lambda: commits(by_paths), lambda: commits(by_whole_tree))
     return Row(
         what=f"commit {COMMITS} carried patches in a work tree of the release",
         ours="`WorkRepo.commit_worktree(paths)`: `update-index` of the file, `commit-tree`",

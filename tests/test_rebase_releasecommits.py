@@ -47,6 +47,18 @@ def _fork(tmp: Path) -> RepoPaths:
     return RepoPaths(root)
 
 
+def _staged(tree: Path) -> dict[str, gitcmd.Blob]:
+    """`tree` made a git repository with every file staged (its blobs written): the
+    files as `commit_known` is told them."""
+    hermetic.git("init", "-q", ".", cwd=tree)
+    hermetic.git("add", "-A", ".", cwd=tree)
+    written = hermetic.output("write-tree", cwd=tree)
+    listing = hermetic.git("ls-tree", "-r", "-l", "-z", written, cwd=tree).stdout
+    known = gitcmd.listed_blobs(listing.encode("utf-8", "surrogateescape"))
+    assert known is not None
+    return known
+
+
 def _alternates(repo: WorkRepo) -> str:
     path = repo.root / ".git" / "objects" / "info" / "alternates"
     return path.read_text() if path.is_file() else ""
@@ -141,12 +153,8 @@ def test_a_fetched_release_changed_on_disk_is_read(
 
 def test_commit_known_refuses_what_the_objects_do_not_hold(tmp_path: Path) -> None:
     tree = _write_tree(tmp_path / "tree")
-    hermetic.git("init", "-q", ".", cwd=tree)
-    hermetic.git("add", "-A", ".", cwd=tree)
-    written = hermetic.output("write-tree", cwd=tree)
-    listing = hermetic.git("ls-tree", "-r", "-l", "-z", written, cwd=tree).stdout
-    known = gitcmd.listed_blobs(listing.encode("utf-8", "surrogateescape"))
-    assert known is not None and set(known) == {*FILES, "python/sglang/link.py"}
+    known = _staged(tree)
+    assert set(known) == {*FILES, "python/sglang/link.py"}
     repo = WorkRepo.create(tmp_path / "work")
     repo.borrow_objects(tree / ".git" / "objects")
     (tree / "python/sglang/new.py").write_text("")
@@ -205,15 +213,10 @@ def test_a_store_borrowed_while_files_are_being_read_is_read_too(tmp_path: Path)
     for store, text in ((first, "x = 1\n"), (second, "x = 2\n")):
         (store / "python").mkdir(parents=True)
         (store / "python" / "mod.py").write_text(text)
-        hermetic.git("init", "-q", ".", cwd=store)
-        hermetic.git("add", "-A", ".", cwd=store)
     repo = WorkRepo.create(tmp_path / "work")
     commits: list[str] = []
     for store in (first, second):
-        written = hermetic.output("write-tree", cwd=store)
-        listing = hermetic.git("ls-tree", "-r", "-l", "-z", written, cwd=store).stdout
-        known = gitcmd.listed_blobs(listing.encode("utf-8", "surrogateescape"))
-        assert known is not None
+        known = _staged(store)
         repo.borrow_objects(store / ".git" / "objects")
         commit = repo.commit_known(store, known, commits[-1] if commits else None, "m")
         assert commit is not None

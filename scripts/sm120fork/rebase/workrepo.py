@@ -182,10 +182,8 @@ class WorkRepo:
         """`commit_changes` of each (message, changes) in turn, each on the one before,
         in one fast-import: the commits, in order."""
         paths = sorted({path for _, changes in series for path in changes})
-        listed = self.git("ls-tree", "-z", parent, "--", *paths).stdout.decode() if paths else ""
-        modes = {
-            entry.split("\t", 1)[1]: entry.split(" ", 1)[0] for entry in listed.split("\0") if entry
-        }
+        listed = self.git("ls-tree", "-l", "-z", parent, "--", *paths).stdout if paths else b""
+        modes = {path: blob.mode for path, blob in (gitcmd.listed_blobs(listed) or {}).items()}
         commits: list[bytes] = []
         for number, (message, changes) in enumerate(series, start=1):
             commands: list[bytes] = []
@@ -275,8 +273,13 @@ class WorkRepo:
         return found
 
     def changed_paths(self, old: str, new: str) -> list[str]:
-        raw = self.git("diff", "--name-only", "--no-renames", "-z", old, new).stdout
-        return [path for path in raw.decode().split("\0") if path]
+        """The files that differ between two commit ids. Kept per pair: commits never change,
+        and a carried patch asks twice (its normal form, then the names check)."""
+        found = self._changed.get((old, new))
+        if found is None:
+            raw = self.git("diff", "--name-only", "--no-renames", "-z", old, new).stdout
+            found = self._changed[(old, new)] = [p for p in raw.decode().split("\0") if p]
+        return list(found)
 
     def dirty_paths(self) -> list[str]:
         """Files of the work tree that differ from HEAD, new files included."""
@@ -304,6 +307,10 @@ class WorkRepo:
             if name is not None and name.group(1) in wanted:
                 found.setdefault(name.group(1), []).append(path)
         return {name: sorted(set(paths)) for name, paths in found.items()}
+
+    @cached_property
+    def _changed(self) -> dict[tuple[str, str], list[str]]:
+        return {}
 
     @cached_property
     def _objects(self) -> gitcmd.ObjectReader:

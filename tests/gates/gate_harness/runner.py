@@ -338,20 +338,17 @@ def run_matrices(
     the matrix (HarnessError): the zygote's claim to change nothing, checked.
     `zygotes`: a pool kept across matrices (its fakes and HF_HOME are then the
     children's too); without one, this matrix's own, ended with it."""
-    if zygotes is not None:
-        stubs, hf_home, python = zygotes.stubs, zygotes.hf_home, zygotes.python
-    else:
+    own = zygotes is None
+    if zygotes is None:
         stubs = stubs or prepare_fakes(python, scratch / "fakes", list(trees.values()))
-        hf_home = scratch / "hf-home"
+        children = {arch.name: len(trees) for arch in archs}
+        zygotes = ZygotePool(python, stubs, scratch, scratch / "hf-home", children)
+    stubs, hf_home, python = zygotes.stubs, zygotes.hf_home, zygotes.python
     jobs = jobs or os.cpu_count() or 1
     # By architecture: each zygote serves every tree's child of its architecture.
     work = [(label, tree, arch) for arch in archs for label, tree in trees.items()]
     use_zygote = os.environ.get("SM120_GATE_ZYGOTE", "1") != "0" and bool(archs)
     fresh = _fresh_process(python)
-    own = zygotes is None
-    if zygotes is None:
-        children = {arch.name: len(trees) for arch in archs}
-        zygotes = ZygotePool(python, stubs, scratch, hf_home, children)
     start = zygotes.start if use_zygote else fresh
     checked = fresh_check if use_zygote and fresh_check else None
     try:
