@@ -139,7 +139,7 @@ def review(session: nox.Session) -> None:
 # imports its CUDA extensions once torch.cuda is faked as available. The venv lives
 # outside the checkout (~/.cache/sglang-sm120/gate-env-<version>), so fresh clones
 # reuse it; `sm120fork.gateenv` installs it, a line per phase, pip's output in a log.
-# The tested sglang tree shadows the installed one through sys.path (tests/gates/README.md).
+# The tested sglang tree shadows the installed one through sys.path (gatetable/README.md).
 
 GATE_TESTS = "tests/gates"
 GATE_MATRIX = f"{GATE_TESTS}/test_gate_matrix.py"
@@ -190,8 +190,8 @@ def explain(session: nox.Session) -> None:
     if "--tree" in args and args[args.index("--tree") + 1 : args.index("--tree") + 2] == ["wheel"]:
         args[args.index("--tree") + 1] = str(_installed_fork_wheel(session))
     python = _gate_env(session)
-    harness = [str(python), "-m", "tests.gates.gate_harness", "explain", *args]
-    session.run(*harness, external=True)
+    harness = [str(python), "-m", "sm120fork.harness", "explain", *args]
+    session.run(*harness, external=True, env={"PYTHONPATH": "scripts"})
 
 
 @nox.session(python=PYTHON)

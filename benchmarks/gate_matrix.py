@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from tests.gates.gate_harness import runner, spec, trees
+from sm120fork.harness import runner, spec, trees
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ A scratch fork is made in --work (default /tmp/sm120-replay/fork): sglang 0.5.9
 imported from the package index, the series as it stood then
 (benchmarks/data/series-0.5.9: patches, intents, gate policy) and the gate rows,
 scenarios and model configs of that era (series-0.5.9/gates) beside the current
-gate harness (tests/gates/gate_harness, which observes every release), so that
+gate harness (sm120fork.harness, which observes every release), so that
 the behaviour strategy judges the patches by their own 0.5.9 rows. Then
 `sm120fork rebase <to> --step` runs from the package index.
 
@@ -90,10 +90,7 @@ def setup(fork: Path) -> None:
         raise SystemExit(f"replay: `sm120fork import {BASE}` failed")
     patches = fork / "patches"
     shutil.copytree(SERIES, patches, ignore=shutil.ignore_patterns("gates", "resolutions"))
-    gates = fork / "tests" / "gates"
-    shutil.copytree(ROOT / "tests" / "gates" / "gate_harness", gates / "gate_harness")
-    shutil.copy(ROOT / "tests" / "gates" / "__init__.py", gates / "__init__.py")
-    shutil.copytree(SERIES / "gates", gates, dirs_exist_ok=True)
+    shutil.copytree(SERIES / "gates", fork / "gatetable")
     shutil.copy(ROOT / "pyproject.toml", fork / "pyproject.toml")  # gateenv reads the deps
     (fork / "CHANGELOG.md").write_text(f"# Changelog\n\n## {BASE}+sm120.1 - 2026-11-29\n")
     run(fork, "git", "add", "-A", ".")
@@ -172,7 +169,7 @@ def verify(fork: Path, to: str) -> dict[str, Any]:
     env = gateenv.for_release(ROOT, to)
     tree = fork.parent / "final"
     obs = fork.parent / "final-observations.json"
-    harness = [str(env.python), "-m", "tests.gates.gate_harness"]
+    harness = ["env", f"PYTHONPATH={ROOT / 'scripts'}", str(env.python), "-m", "sm120fork.harness"]
     if obs.is_file() and obs.stat().st_mtime > (fork / "patches" / "series").stat().st_mtime:
         say(f"reusing the observations of the landed series in {obs}")
     else:

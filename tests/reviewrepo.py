@@ -200,7 +200,7 @@ def fork_files(version: str, patches: Mapping[str, str], expectations: str) -> d
     files |= {f"patches/{name}": text for name, text in patches.items()}
     files["patches/series"] = "".join(f"{name}\n" for name in patches)
     files["patches/gates.toml"] = policy()
-    files["tests/gates/expectations.toml"] = expectations
+    files["gatetable/expectations.toml"] = expectations
     files["vendor/sglang.lock"] = lock_text(version)
     files[".gitignore"] = "/build/\n"
     return files

@@ -130,7 +130,7 @@ class _Context:
 
 
 def _fork(root: Path) -> Path:
-    gates = root / "tests" / "gates"
+    gates = root / "gatetable"
     gates.mkdir(parents=True)
     (gates / "archs.toml").write_text(
         "[sm100]\ncapability = [10, 0]\n[sm120]\ncapability = [12, 0]\n"

@@ -68,7 +68,7 @@ def test_changed_condition_shows_the_line_and_the_gate(repo: ReviewRepo) -> None
         "olmo2: SM120 only",
         {
             f"patches/{OLMO2_PATCH}": olmo2_patch(narrowed),
-            "tests/gates/expectations.toml": sm121_fa3,
+            "gatetable/expectations.toml": sm121_fa3,
         },
     )
 
@@ -120,7 +120,7 @@ def test_added_patch_with_its_rows_and_decision(repo: ReviewRepo) -> None:
             f"patches/{MOE_PATCH}": moe_patch(),
             "patches/series": f"{OLMO2_PATCH}\n{MOE_PATCH}\n",
             "patches/gates.toml": policy(decided),
-            "tests/gates/expectations.toml": OLMO2_ROW + moe_row,
+            "gatetable/expectations.toml": OLMO2_ROW + moe_row,
         },
     )
 

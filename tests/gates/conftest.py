@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sm120fork.harness import runner, spec, table, trees
 
 from . import terminal
-from .gate_harness import runner, spec, table, trees
 
 RESULTS = pytest.StashKey[dict[str, list[tuple[table.Row, list[table.CellResult]]]]]()
 TREES = pytest.StashKey[dict[str, trees.Tree]]()

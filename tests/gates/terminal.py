@@ -16,9 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from sm120fork.harness import runner, spec, table, trees
 from sm120fork.progress import Progress, elapsed
-
-from .gate_harness import runner, spec, table, trees
 
 WHAT = {
     trees.PRISTINE: "pristine (vendor/sglang as upstream released it)",

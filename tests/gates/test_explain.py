@@ -8,19 +8,21 @@ the fork declares modelopt_fp4 and picks flashinfer_cutlass, naming the patch.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from .gate_harness import explain
+from sm120fork.harness import explain
 
 ROOT = Path(__file__).resolve().parents[2]
-GLM4 = ROOT / "tests" / "gates" / "models" / "glm4_moe_nvfp4"
+GLM4 = ROOT / "gatetable" / "models" / "glm4_moe_nvfp4"
 
 
 def _explain(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "tests.gates.gate_harness", "explain", *args]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    command = [sys.executable, "-m", "sm120fork.harness", "explain", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts")}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
 
 
 def test_a_directory_without_config_json_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -1,14 +1,13 @@
 """Architecture-gate tests: sglang's decisions per faked GPU against expectations.toml.
 
 Runs only in the gate environment (torch + sglang's pins): `nox -s gate_tests`.
-See tests/gates/README.md.
+See gatetable/README.md.
 """
 
 from __future__ import annotations
 
 import pytest
-
-from .gate_harness import runner, spec, table, trees
+from sm120fork.harness import runner, spec, table, trees
 
 ARCHS = [a.name for a in spec.load_archs()]
 

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-
-from .gate_harness import child, fakes, report, runner, table
+from sm120fork.harness import child, fakes, report, runner, table
 
 
 @dataclasses.dataclass
@@ -197,8 +196,8 @@ def test_cells_judges_a_patch_s_rows_cell_by_cell(
     naming the patch, matched as the table matches, refusals told from blind cells."""
     import json
 
-    from .gate_harness.__main__ import main
-    from .gate_harness.judge import ARCHS
+    from sm120fork.harness.__main__ import main
+    from sm120fork.harness.judge import ARCHS
 
     patch = "sm120-olmo2-attention-triton.patch"
     rows = [r for r in table.load_table(list(ARCHS)).rows if r.patch == patch]

@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from sm120fork.harness import runner, spec, table
 
 from . import synthetic
-from .gate_harness import runner, spec, table
 from .test_synthetic_releases import EXAONE, resolved_in_steps, rows_hold, rows_of
 from .test_synthetic_releases import move as move_exaone
 

@@ -18,8 +18,7 @@ import sys
 import textwrap
 
 import pytest
-
-from .gate_harness import spec
+from sm120fork.harness import spec
 
 pytest.importorskip("triton")
 

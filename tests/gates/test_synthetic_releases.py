@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
+from sm120fork.harness import runner, spec, table
 
 from . import synthetic
-from .gate_harness import runner, spec, table
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = Path("python/sglang/srt/arg_groups/model_overrides")

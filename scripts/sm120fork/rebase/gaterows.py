@@ -1,11 +1,11 @@
 """A patch's own gate-table rows, run on a pristine release in that release's gate
 environment (for behaviour.py).
 
-The rows are the `[[row]]` tables of the fork's tests/gates/expectations.toml whose
+The rows are the `[[row]]` tables of the fork's gatetable/expectations.toml whose
 `patch` names the patch; the cells that speak for it are the SM12x ones (archs.toml
 entries of capability major 12), since a patch of the series changes only what
-SM12x gets. The fork's own harness (tests/gates/gate_harness) observes them, run by
-the release's gate-environment python from the fork's root:
+SM12x gets. The tool's harness (sm120fork.harness) observes them, run by the release's
+gate-environment python from the fork's root:
 `run --tree DIR --arch A --scenario S --json F`, then `cells F --patch NAME`.
 
 The pristine tree is the work repository's commit of the release, archived once
@@ -36,7 +36,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-GATES = Path("tests") / "gates"
+GATES = Path("gatetable")
 # "no": a release whose gate environment is not installed yet is not installed (the
 # patch then stays a conflict, and its reason says so); a comma-separated list of
 # versions: only those are installed; unset or anything else: every one is.
@@ -168,8 +168,9 @@ def observe(
 
 
 def _harness(env: GateEnv, fork_root: Path, args: list[str]) -> str:
-    command = [str(env.python), "-m", "tests.gates.gate_harness", *args]
+    command = [str(env.python), "-m", "sm120fork.harness", *args]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    clean["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])  # the tool's own harness
     try:
         ran = subprocess.run(
             command,

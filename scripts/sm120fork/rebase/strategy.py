@@ -43,7 +43,7 @@ class CarryContext:
     target: Target  # .version, .base_commit (the new pristine release's commit)
     renderer: DiffRenderer
     intent: Intent | None
-    fork_root: Path  # the fork checkout (tests/gates rows live there)
+    fork_root: Path  # the fork checkout (its gatetable/ rows live there)
     previous: str  # the patch's commit at the previous release (names.py check)
 
     @property

@@ -1,4 +1,4 @@
-"""Rows of the expectation table (tests/gates/expectations.toml) from BASE to HEAD.
+"""Rows of the expectation table (gatetable/expectations.toml) from BASE to HEAD.
 
 A row is what sglang decides in one scenario for one field on each
 architecture; rows are matched by (scenario, field). A row whose `patch` is

@@ -131,7 +131,7 @@ def behaviour_section(behaviour: BehaviourReview, limit: int | None) -> list[str
     lines = ["### Behaviour", ""]
     parts = (
         (
-            "Changed rows of `tests/gates/expectations.toml`",
+            "Changed rows of `gatetable/expectations.toml`",
             [_row(c.new, c) for c in behaviour.changed],
         ),
         ("Added rows", [_row(r) for r in behaviour.added]),
@@ -139,7 +139,7 @@ def behaviour_section(behaviour: BehaviourReview, limit: int | None) -> list[str
         ("Rows whose patch is not in the series", [_row(r) for r in behaviour.orphaned]),
     )
     if not any(rows for _, rows in parts):
-        return [*lines, "No row of `tests/gates/expectations.toml` changed.", ""]
+        return [*lines, "No row of `gatetable/expectations.toml` changed.", ""]
     for title, rows in parts:
         if rows:
             lines += _table(title, rows, limit)

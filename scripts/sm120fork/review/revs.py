@@ -19,7 +19,7 @@ from sm120fork.errors import FatalError
 DEFAULT_BASES = ("origin/main", "main")
 # What a review reads from the work tree's point of view: untracked files there count
 # as dirt (a new patch not yet added), elsewhere they do not.
-WATCHED = ("patches", "vendor", "tests/gates")
+WATCHED = ("patches", "vendor", "gatetable")
 
 
 @dataclass(frozen=True)

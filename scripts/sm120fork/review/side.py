@@ -20,7 +20,7 @@ from sm120fork.upstream import lock
 PATCHES = "patches"
 SERIES = "patches/series"
 POLICY = "patches/gates.toml"
-EXPECTATIONS = "tests/gates/expectations.toml"
+EXPECTATIONS = "gatetable/expectations.toml"
 LOCK = "vendor/sglang.lock"
 VENDOR = "vendor/sglang"
 

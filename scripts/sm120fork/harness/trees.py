@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .spec import REPO_ROOT, VENDOR_PYTHON
+from .spec import REPO_ROOT, TOOL_SCRIPTS, VENDOR_PYTHON
 
 PRISTINE = "pristine"
 PATCHED = "patched"
@@ -39,9 +39,7 @@ def pristine_tree() -> Tree:
 def build_patched_tree(out: Path, python: str = sys.executable) -> Tree:
     """vendor/sglang with patches/series applied, via `sm120fork apply --out`."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT / "scripts"), *filter(None, [env.get("PYTHONPATH")])]
-    )
+    env["PYTHONPATH"] = os.pathsep.join([str(TOOL_SCRIPTS), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [python, "-m", "sm120fork", "-C", str(REPO_ROOT), "apply", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:

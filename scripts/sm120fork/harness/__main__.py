@@ -1,19 +1,19 @@
 """Command line for looking at the matrix without pytest (run from the repo root).
 
-  python -m tests.gates.gate_harness run [--tree pristine|patched|DIR] [--arch A ...]
+  python -m sm120fork.harness run [--tree pristine|patched|DIR] [--arch A ...]
         [--scenario S ...] [--jobs N] [--json OUT]
       observe and print every scenario's fields per architecture
-  python -m tests.gates.gate_harness rows OBS.json SCENARIO:FIELD [...]
+  python -m sm120fork.harness rows OBS.json SCENARIO:FIELD [...]
       print [[row]] blocks holding the observed values (to paste into expectations.toml)
-  python -m tests.gates.gate_harness markdown OBS.json [--scenario S ...]
-  python -m tests.gates.gate_harness judge OBS.json [--pristine]
-  python -m tests.gates.gate_harness cells OBS.json --patch NAME [--arch A ...]
+  python -m sm120fork.harness markdown OBS.json [--scenario S ...]
+  python -m sm120fork.harness judge OBS.json [--pristine]
+  python -m sm120fork.harness cells OBS.json --patch NAME [--arch A ...]
       the cells of the rows naming a patch against saved observations, as JSON (what
       the rebase's behaviour check reads: sm120fork/rebase/behaviour.py)
-  python -m tests.gates.gate_harness explain --model-path DIR [--arch A ...] [-- sglang args]
-      print the observations as Markdown tables (tests/gates/observed-<version>.md)
+  python -m sm120fork.harness explain --model-path DIR [--arch A ...] [-- sglang args]
+      print the observations as Markdown tables (gatetable/observed-<version>.md)
 
-Use the gate environment's python (the one with torch): see tests/gates/README.md.
+Use the gate environment's python (the one with torch): see gatetable/README.md.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def cmd_cells(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.gates.gate_harness")
+    parser = argparse.ArgumentParser(prog="python -m sm120fork.harness")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="observe the matrix and print it")
     run.add_argument("--tree", default=trees.PRISTINE, help="pristine, patched, or a directory")

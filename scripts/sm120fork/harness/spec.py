@@ -1,7 +1,9 @@
-"""The gate tests' data files: architectures, scenarios, locations. Standard library only."""
+"""The gate table's data files: architectures, scenarios, where they live. Standard
+library only, but for the series parser."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,13 +11,31 @@ from typing import Any
 
 import tomllib
 
-GATES_DIR = Path(__file__).resolve().parents[1]
-REPO_ROOT = GATES_DIR.parents[1]
-ARCHS_FILE = GATES_DIR / "archs.toml"
-SCENARIOS_FILE = GATES_DIR / "scenarios.toml"
-EXPECTATIONS_FILE = GATES_DIR / "expectations.toml"
-MODELS_DIR = GATES_DIR / "models"
+from sm120fork.patches.series import read_series
+
+# The fork the harness judges: the checkout it runs from (pytest, `python -m
+# sm120fork.harness`, the rebase's row checks all run from the fork's root), or
+# $SM120_FORK_ROOT. The harness's own code comes from the tool, the data from there.
+_MARKERS = ("patches/series", "vendor/sglang.lock")
+
+
+def _fork_root() -> Path:
+    named = os.environ.get("SM120_FORK_ROOT")
+    start = Path(named) if named else Path.cwd()
+    for candidate in (start, *start.parents):
+        if any((candidate / marker).is_file() for marker in _MARKERS):
+            return candidate.resolve()
+    return start.resolve()
+
+
+REPO_ROOT = _fork_root()
+TABLE_DIR = REPO_ROOT / "gatetable"
+ARCHS_FILE = TABLE_DIR / "archs.toml"
+SCENARIOS_FILE = TABLE_DIR / "scenarios.toml"
+EXPECTATIONS_FILE = TABLE_DIR / "expectations.toml"
+MODELS_DIR = TABLE_DIR / "models"
 CHILD_SCRIPT = Path(__file__).resolve().with_name("child.py")
+TOOL_SCRIPTS = Path(__file__).resolve().parents[2]  # what holds sm120fork/
 SERIES_FILE = REPO_ROOT / "patches" / "series"
 VENDOR_PYTHON = REPO_ROOT / "vendor" / "sglang" / "python"
 
@@ -125,12 +145,5 @@ def load_scenarios(path: Path = SCENARIOS_FILE) -> dict[str, Scenario]:
 
 
 def series_patches(path: Path = SERIES_FILE) -> tuple[str, ...]:
-    """Patch names of patches/series in order (comments and blank lines skipped)."""
-    if not path.is_file():
-        return ()
-    names = []
-    for line in path.read_text().splitlines():
-        text = line.split("#", 1)[0].strip()
-        if text:
-            names.append(text.split()[0])
-    return tuple(names)
+    """Patch names of patches/series in order (none without a series)."""
+    return tuple(read_series(path).names) if path.is_file() else ()

@@ -1,4 +1,4 @@
-"""Judge the expectation table against saved observations (`gate_harness judge`).
+"""Judge the expectation table against saved observations (`python -m sm120fork.harness judge`).
 
 For a maintainer editing rows: the verdict the matrix test reaches
 (`table.row_problem`), read from `run --json` files instead of a fresh run,

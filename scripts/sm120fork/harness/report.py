@@ -1,6 +1,6 @@
 """Observations as Markdown: one table per scenario, one column per architecture.
 
-Used to write tests/gates/observed-<version>.md from a saved ``run --json`` file.
+Used to write gatetable/observed-<version>.md from a saved ``run --json`` file.
 Errors and ``unavailable:`` values are long and repeat across cells, so a cell
 shows ``E1``, ``E2``, ... and the texts follow the table; where building
 ServerArgs raised, only the ``error`` row names it and the other fields show
