@@ -143,7 +143,7 @@ def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ob
 
     fork = tmp / "fork"
     fork.mkdir()
-    for name in ("vendor", "patches", "tests", "pyproject.toml", "CHANGELOG.md"):
+    for name in ("vendor", "patches", "gatetable", "tests", "pyproject.toml", "CHANGELOG.md"):
         source = ROOT / name
         if source.is_dir():
             shutil.copytree(source, fork / name, ignore=shutil.ignore_patterns("__pycache__"))

@@ -98,7 +98,7 @@ def rebased(tmp: Path, edit: Callable[[Path], None]) -> tuple[Path, dict[str, ob
     upstream = synthetic.cut_releases(tmp, home, [("v0.5.23", None), ("v0.5.24", edit)])
     fork = tmp / "fork"
     fork.mkdir()
-    for name in ("vendor", "patches", "tests", "pyproject.toml", "CHANGELOG.md"):
+    for name in ("vendor", "patches", "gatetable", "tests", "pyproject.toml", "CHANGELOG.md"):
         source = ROOT / name
         ignore = shutil.ignore_patterns("__pycache__")
         if source.is_dir():
