@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:
-    from . import allreduce_probes, load_probes
+    from . import allreduce_probes, kernel_probes, load_probes
 else:  # loaded by child.py as a script: this directory is sys.path[0]
     import allreduce_probes
+    import kernel_probes
     import load_probes
 
 Observation = dict[str, Any]
@@ -464,3 +465,19 @@ PROBES["v41_indexer"] = (
         f"{JIT_DEEPGEMM_OFF}.candidates",
     ),
 )
+
+
+def probe_kernel_fit(server_args: Any) -> Observation:
+    """The Triton launches the scenario's SM12x decisions select, compiled for sm_120
+    (kernel_probes.py; issue 28)."""
+
+    def dispatch_fp8(args: Any, block: list[int]) -> str:
+        _, fp8_utils = _first_module(FP8_UTILS, "dispatch_w8a8_block_fp8_linear")
+        _initialize(fp8_utils.initialize_fp8_gemm_config, args)
+        return _function_name(fp8_utils.dispatch_w8a8_block_fp8_linear(block))
+
+    _publish(server_args)  # the MoE config lookup reads the published exec settings
+    return kernel_probes.kernel_fit(server_args, dispatch_fp8)
+
+
+PROBES["kernel_fit"] = (probe_kernel_fit, (kernel_probes.FIELD, kernel_probes.INPUTS))
