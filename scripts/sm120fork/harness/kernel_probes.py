@@ -31,6 +31,7 @@ SM12X_BOARDS = (
 )
 TARGET_CAPABILITY = 120  # SM120 and SM121 share the 101376-byte per-block limit
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+MOE_TP_SIZES = (1, 2, 4, 8)  # expert shapes per rank as SM12x hosts shard them
 FIELD = "kernel_fit.launches"
 INPUTS = "kernel_fit.inputs"
 
@@ -187,6 +188,24 @@ def _attention(compiler: _Compiler, values: dict[str, Any], model: Any, tp: int)
                 launch(path, lq, lv, hq, hkv, kv)
 
 
+def _vision(compiler: _Compiler, model: Any) -> None:
+    """The vision encoder's attention where its platform default is Triton
+    (VisionAttention's choice; context_attention_fwd picks the tiles)."""
+    vision = getattr(model.hf_config, "vision_config", None)
+    get = vision.get if isinstance(vision, dict) else lambda key: getattr(vision, key, None)
+    heads = get("num_attention_heads") or get("num_heads") if vision is not None else None
+    dim = (get("head_dim") or (get("hidden_size") or 0) // heads) if heads else 0
+    if not dim:
+        return
+    attention = _imp("sglang.srt.layers.attention.vision").VisionAttention
+    if attention._determine_attention_backend(None, None) != "triton_attn":
+        return
+    fwd = _imp("sglang.kernels.ops.attention.prefill_attention").context_attention_fwd
+    x = _meta(64, 2, dim)
+    compiler.case = f"vision_prefill[Lk={dim}]"
+    fwd(x, x, x, _meta(64, 2, dim), _idx(1), _idx(1), 64, is_causal=False)
+
+
 # --------------------------------------------------------------------------- MoE and FP8 GEMM
 
 
@@ -227,7 +246,8 @@ def _boards() -> list[str | None]:
 
 def _moe(compiler: _Compiler, values: dict[str, Any], model: Any, server_args: Any) -> None:
     """The Triton fused-MoE kernel at every config sglang's lookup returns for the
-    family's expert shapes (per rank), on each SM12x board name, for every batch size."""
+    family's expert shapes per rank (the scenario's TP and each of MOE_TP_SIZES), on
+    each SM12x board name, for every batch size of TOKENS."""
     experts = _hf(model, "n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
     quant = model.quantization
     if not experts or values.get("moe_runner_backend") not in ("auto", "triton"):
@@ -238,33 +258,30 @@ def _moe(compiler: _Compiler, values: dict[str, Any], model: Any, server_args: A
     cfg = _imp("sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config")
     kernels = _imp("sglang.kernels.ops.moe.fused_moe_triton_kernels")
     ep = int(getattr(server_args, "ep_size", 1) or 1)
-    e = int(experts) // ep
-    n = int(_hf(model, "moe_intermediate_size", "intermediate_size")) // max(
-        1, int(server_args.tp_size) // ep
-    )
-    hidden, topk = int(model.hf_text_config.hidden_size), int(
-        _hf(model, "num_experts_per_tok", "moe_topk", "top_k") or 1
-    )
+    e, inter = int(experts) // ep, int(_hf(model, "moe_intermediate_size", "intermediate_size"))
+    hidden = int(model.hf_text_config.hidden_size)
+    topk = int(_hf(model, "num_experts_per_tok", "moe_topk", "top_k") or 1)
     fp8 = quant is not None
     block = _block_shape(model) if fp8 else None
     dtype = "fp8_w8a8" if fp8 else None
-    chosen: dict[str, dict[str, Any]] = {}
+    ranks = {int(server_args.tp_size) // ep, *MOE_TP_SIZES}
+    chosen: dict[str, tuple[str, int, dict[str, Any]]] = {}
     for board in _boards():
         with _board(board):
-            cfg.get_moe_configs.cache_clear()
-            for m in TOKENS:
-                up, (down, _) = cfg.try_get_optimal_moe_config(
-                    (e, 2 * n, hidden), (e, hidden, n), topk, dtype, m,
-                    block_shape=block, return_down_config=True,
-                )  # fmt: skip
-                for side, config in (("up", up), ("down", down or up)):
-                    config = {k: v for k, v in config.items() if k != "USE_TMA"}
-                    chosen.setdefault(repr((side, sorted(config.items()))), {side: config})
+            for n in sorted({inter // tp for tp in ranks if inter % tp == 0}):
+                cfg.get_moe_configs.cache_clear()
+                for m in TOKENS:
+                    up, (down, _) = cfg.try_get_optimal_moe_config(
+                        (e, 2 * n, hidden), (e, hidden, n), topk, dtype, m,
+                        block_shape=block, return_down_config=True,
+                    )  # fmt: skip
+                    for side, config in (("up", up), ("down", down or up)):
+                        config = {k: v for k, v in config.items() if k != "USE_TMA"}
+                        key = repr((side, n % 16 == 0, sorted(config.items())))
+                        chosen.setdefault(key, (side, n, config))
         cfg.get_moe_configs.cache_clear()
-    weight = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    f32 = torch.float32
-    for entry in chosen.values():
-        ((side, config),) = entry.items()
+    weight, f32 = (torch.float8_e4m3fn if fp8 else torch.bfloat16), torch.float32
+    for side, n, config in chosen.values():
         k, out = (hidden, 2 * n) if side == "up" else (n, hidden)
         rows = 16 if side == "up" else 16 * topk
         a = _meta(rows, k, dtype=weight if block else torch.bfloat16)
@@ -329,6 +346,7 @@ def kernel_fit(server_args: Any, dispatch_fp8: Callable[[Any, list[int]], str]) 
     compiler = _Compiler()
     with compiler.catching():
         _attention(compiler, values, model, tp)
+        _vision(compiler, model)
         _moe(compiler, values, model, server_args)
         _fp8_gemm(compiler, model, tp, lambda block: dispatch_fp8(server_args, block))
     records = sorted(compiler.records.values(), key=lambda r: -r["shared"])
