@@ -168,7 +168,8 @@ def kernel_fit(
 
 def _launches(run: runner.MatrixRun) -> list[tuple[str, str, dict[str, Any]]]:
     """(arch, scenario, launch record) of every selected launch; a probe error fails."""
-    found, broken = [], []
+    found: list[tuple[str, str, dict[str, Any]]] = []
+    broken: list[str] = []
     for arch, scenarios in run.observations.items():
         for name, obs in scenarios.items():
             if obs.get("error"):  # refused at argument time: nothing runs
