@@ -140,15 +140,27 @@ def test_markdown_footnotes_errors_and_omits_missing_fields() -> None:
 
 def test_child_stays_a_standalone_script() -> None:
     """runner.py runs child.py as a script: it may load only its siblings child_probes and
-    (through child_probes) load_probes and allreduce_probes, each of which falls back to a
-    plain import."""
+    (through child_probes) load_probes, allreduce_probes and kernel_probes (with its
+    gemm_launches and kernel_compile), each of which falls back to a plain import."""
     here = Path(child.__file__).parent
     relative = re.compile(r"^\s*from \.(\S*) import (.+)$", re.MULTILINE)
+    plain = re.compile(r"^\s*(?:import (\w+)|from (\w+) import)", re.MULTILINE)
     assert relative.findall((here / "child.py").read_text()) == [("", "child_probes")]
     siblings = relative.findall((here / "child_probes.py").read_text())
-    assert siblings == [("", "allreduce_probes, load_probes")]
-    assert relative.findall((here / "load_probes.py").read_text()) == []
-    assert relative.findall((here / "allreduce_probes.py").read_text()) == []
+    assert siblings == [("", "allreduce_probes, kernel_probes, load_probes")]
+    assert relative.findall((here / "kernel_probes.py").read_text()) == [
+        ("", "gemm_launches"),
+        ("kernel_compile", "Compiler, call_by_name, idx, imp, meta"),
+    ]
+    assert relative.findall((here / "gemm_launches.py").read_text()) == [
+        ("kernel_compile", "Compiler, idx, imp, meta")
+    ]
+    for name, fallbacks in (("kernel_probes", {"gemm_launches", "kernel_compile"}),
+                            ("gemm_launches", {"kernel_compile"})):  # fmt: skip
+        found = {a or b for a, b in plain.findall((here / f"{name}.py").read_text())}
+        assert fallbacks <= found, f"{name}.py lacks the plain-import fallback"
+    for leaf in ("load_probes", "allreduce_probes", "kernel_compile"):
+        assert relative.findall((here / f"{leaf}.py").read_text()) == []
 
 
 def test_nvml_standin_answers_a_topology_only_while_asked(
