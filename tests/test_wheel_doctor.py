@@ -20,7 +20,7 @@ DOCTOR = make_patch(
     "Add the doctor",
     PACKAGE_TEXT,
     {
-        "python/sglang/sm120_doctor/__init__.py": "\"\"\"The doctor.\"\"\"\n",
+        "python/sglang/sm120_doctor/__init__.py": '"""The doctor."""\n',
         CLI: "from pathlib import Path\n\ndef main():\n"
         "    print(Path(__file__).with_name('known_bad.toml').read_text())\n    return 3\n",
     },

@@ -107,8 +107,10 @@ def fork_wheel(
     if with_doctor:
         for name, data in doctor.known_bad_member(known_bad).items():
             if name in upstream.by_name or name in changes:
-                raise FatalError(f"{name} is already in the wheel; the fork adds it from "
-                                 f"{doctor.KNOWN_BAD_SOURCE}: remove it from the series")
+                raise FatalError(
+                    f"{name} is already in the wheel; the fork adds it from "
+                    f"{doctor.KNOWN_BAD_SOURCE}: remove it from the series"
+                )
             changes[name] = data
     entry_points = f"{upstream.dist_info}/entry_points.txt"
 
