@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,7 @@ def m(name: str) -> ModuleType:
     return doctorpkg.module(name)
 
 
-def device(doctor: ModuleType, major: int = 12, minor: int = 0, name: str = SM120[1]):
+def device(doctor: ModuleType, major: int = 12, minor: int = 0, name: str = SM120[1]) -> Any:
     return m("nvml").Device(0, name, major, minor, 97887, 600.0, 30.0)
 
 
@@ -78,7 +79,7 @@ def test_fatbin_reads_the_archs_of_a_shared_object(doctor: ModuleType, tmp_path:
 def test_fatbin_reads_the_installed_torch() -> None:
     """Against nvcc's own output: this gate environment's torch is built for CUDA 13.0
     with sm_120 and sm_121 code."""
-    import torch  # the gate environment's
+    import torch  # type: ignore[import-not-found]  # the gate environment's
 
     fb = m("fatbin")
     lib = Path(torch.__file__).parent / "lib" / "libtorch_cuda.so"
@@ -157,13 +158,15 @@ def nvml_lib(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(doctorpkg.stand_in_nvml(tmp_path_factory.mktemp("nvml")) / "libnvidia-ml.so.1")
 
 
-def probe(nvml_lib: str, monkeypatch: pytest.MonkeyPatch, **environ: str):
+def probe(nvml_lib: str, monkeypatch: pytest.MonkeyPatch, **environ: str) -> Any:
     for key, value in environ.items():
         monkeypatch.setenv(key, value)
     return m("gpus").probe(lambda: m("nvml").Nvml(nvml_lib))
 
 
-def test_gpus_read_through_nvml(doctor: ModuleType, nvml_lib: str, monkeypatch) -> None:
+def test_gpus_read_through_nvml(
+    doctor: ModuleType, nvml_lib: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     machine = probe(
         nvml_lib,
         monkeypatch,
@@ -180,7 +183,9 @@ def test_gpus_read_through_nvml(doctor: ModuleType, nvml_lib: str, monkeypatch) 
     assert "sm_120 (12.0), 97887 MiB, 30 W of 300 W limit" in found[0].summary
 
 
-def test_no_driver_is_a_failure(doctor: ModuleType, nvml_lib: str, monkeypatch) -> None:
+def test_no_driver_is_a_failure(
+    doctor: ModuleType, nvml_lib: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("SM120_GATE_NVML_TOPOLOGY", raising=False)  # the stand-in: no driver
     machine = probe(nvml_lib, monkeypatch)
     [finding] = m("gpus").check(machine)
@@ -189,7 +194,9 @@ def test_no_driver_is_a_failure(doctor: ModuleType, nvml_lib: str, monkeypatch) 
     assert m("gpus").check(missing)[0].level == "fail"
 
 
-def test_not_sm12x_is_upstream_behaviour(doctor: ModuleType, nvml_lib: str, monkeypatch) -> None:
+def test_not_sm12x_is_upstream_behaviour(
+    doctor: ModuleType, nvml_lib: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     machine = probe(nvml_lib, monkeypatch, **doctorpkg.faked_gpus(1, "9.0", "NVIDIA H200", 143771))
     found = m("gpus").check(machine)
     assert found[-1].summary == "not SM12x: sm_90 (NVIDIA H200); upstream behaviour"
@@ -226,7 +233,9 @@ def test_exit_status_is_the_worst_finding(doctor: ModuleType) -> None:
         ((12, 8), (12, 9), "note"),
     ],
 )
-def test_driver_against_torch_cuda(doctor, cuda_driver, torch_cuda, level) -> None:
+def test_driver_against_torch_cuda(
+    doctor: ModuleType, cuda_driver: tuple[int, int], torch_cuda: tuple[int, int], level: str
+) -> None:
     machine = m("gpus").Machine(devices=[device(doctor)], driver="x", cuda_driver=cuda_driver)
     assert [f.level for f in m("driver").check(machine, torch_cuda)] == [level]
 
@@ -247,7 +256,7 @@ def test_torch_cuda_is_read_without_importing_torch(doctor: ModuleType) -> None:
 # --- topology, the real copy, NCCL ----------------------------------------------------
 
 
-def links(count: int, p2p: bool = True, nvlink: bool = False) -> dict:
+def links(count: int, p2p: bool = True, nvlink: bool = False) -> dict[tuple[int, int], Any]:
     return {
         (a, b): {"topology": "PHB", "p2p_write": p2p, "nvlink": nvlink}
         for a in range(count)
@@ -255,7 +264,7 @@ def links(count: int, p2p: bool = True, nvlink: bool = False) -> dict:
     }
 
 
-def sm120_machine(doctor: ModuleType, count: int):
+def sm120_machine(doctor: ModuleType, count: int) -> Any:
     return m("gpus").Machine(devices=[device(doctor)] * count, driver="x", cuda_driver=(13, 0))
 
 
@@ -271,7 +280,13 @@ def sm120_machine(doctor: ModuleType, count: int):
         (1, {}, {}, "none"),
     ],
 )
-def test_the_all_reduce_the_fork_picks(doctor, tp, pairs, environ, path) -> None:
+def test_the_all_reduce_the_fork_picks(
+    doctor: ModuleType,
+    tp: int,
+    pairs: dict[tuple[int, int], Any],
+    environ: dict[str, str],
+    path: str,
+) -> None:
     machine = sm120_machine(doctor, max(tp, 1))
     assert m("topology").allreduce_path(machine, tp, pairs, environ)[0] == path
 
@@ -328,7 +343,9 @@ def test_the_copy_child_that_hangs_is_a_verdict(doctor: ModuleType) -> None:
         ({"NCCL_IB_DISABLE": "1"}, True, ["note"]),
     ],
 )
-def test_nccl_variables(doctor, environ, p2p, levels) -> None:
+def test_nccl_variables(
+    doctor: ModuleType, environ: dict[str, str], p2p: bool, levels: list[str]
+) -> None:
     assert [f.level for f in m("ncclenv").check(environ, p2p)] == levels
 
 
@@ -344,10 +361,10 @@ class FakeArgs:
 def test_decisions_report_refusals_warnings_and_choices(doctor: ModuleType) -> None:
     decide = m("decisions").decide
 
-    def refuses(argv):
+    def refuses(argv: list[str]) -> Any:
         raise ValueError("--moe-runner-backend trtllm has no SM12x kernels; use marlin\nmore")
 
-    def warns(argv):
+    def warns(argv: list[str]) -> Any:
         logging.getLogger("sglang.srt.server_args").warning("falling back to triton: use fa3")
         logging.getLogger("transformers").warning("not ours")
         return FakeArgs()
@@ -394,7 +411,7 @@ def test_known_bad_matches_machine_and_arguments(doctor: ModuleType) -> None:
         "facts": {"iommu": "passthrough", "tp": 1},
     }
 
-    def ids(**change) -> set[str]:
+    def ids(**change: Any) -> set[str]:
         found = knownbad.check(table, knownbad.Facts(**{**base, **change}))
         return {f.summary.split(":")[0] for f in found}
 
@@ -424,7 +441,7 @@ def test_known_bad_matches_machine_and_arguments(doctor: ModuleType) -> None:
         ("0.5.9", ">=0.5.23", False),
     ],
 )
-def test_version_ranges(doctor, version, spec, expected) -> None:
+def test_version_ranges(doctor: ModuleType, version: str, spec: str, expected: bool) -> None:
     assert m("knownbad").satisfies(version, spec) is expected
 
 

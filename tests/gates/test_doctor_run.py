@@ -21,6 +21,7 @@ import sys
 import sysconfig
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sm120fork.harness.spec import REPO_ROOT
@@ -118,7 +119,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def doctor(venv: Path, cwd: Path, *args: str, **environ: str) -> tuple[int, dict]:
+def doctor(venv: Path, cwd: Path, *args: str, **environ: str) -> tuple[int, dict[str, Any]]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -137,7 +138,7 @@ def doctor(venv: Path, cwd: Path, *args: str, **environ: str) -> tuple[int, dict
     return done.returncode, json.loads(done.stdout)
 
 
-def summaries(report: dict, check: str) -> list[tuple[str, str]]:
+def summaries(report: dict[str, Any], check: str) -> list[tuple[str, str]]:
     return [(f["level"], f["summary"]) for f in report["findings"] if f["check"] == check]
 
 
