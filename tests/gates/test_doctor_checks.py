@@ -352,10 +352,7 @@ def test_nccl_variables(
 # --- decisions ------------------------------------------------------------------------
 
 
-class FakeArgs:
-    tp_size = 2
-    attention_backend = "triton"
-    moe_runner_backend = "marlin"
+DECIDED = {"tp_size": 2, "attention_backend": "triton", "moe_runner_backend": "marlin"}
 
 
 def test_decisions_report_refusals_warnings_and_choices(doctor: ModuleType) -> None:
@@ -367,7 +364,7 @@ def test_decisions_report_refusals_warnings_and_choices(doctor: ModuleType) -> N
     def warns(argv: list[str]) -> Any:
         logging.getLogger("sglang.srt.server_args").warning("falling back to triton: use fa3")
         logging.getLogger("transformers").warning("not ours")
-        return FakeArgs()
+        return {**DECIDED, "unshown_field": 1}
 
     values, found = decide(["--tp", "2"], refuses)
     assert values == {} and [f.level for f in found] == ["fail"]
@@ -376,7 +373,7 @@ def test_decisions_report_refusals_warnings_and_choices(doctor: ModuleType) -> N
         == "sglang refuses: --moe-runner-backend trtllm has no SM12x kernels; use marlin"
     )
     values, found = decide([], warns)
-    assert values == {"tp_size": 2, "attention_backend": "triton", "moe_runner_backend": "marlin"}
+    assert values == DECIDED
     assert [(f.level, f.summary) for f in found][1:] == [
         ("slow", "sglang warns: falling back to triton: use fa3")
     ]
