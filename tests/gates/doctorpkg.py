@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -20,7 +21,10 @@ KNOWN_BAD = REPO_ROOT / "patches" / "known-bad.toml"
 
 def applied_doctor(scratch: Path) -> Path:
     """sglang/sm120_doctor/ of the patched tree, with the known-bad table beside it
-    as the wheel ships it."""
+    as the wheel ships it; $SM120_DOCTOR_UNDER_TEST names another copy (a mutated
+    one, to see the tests fail)."""
+    if os.environ.get("SM120_DOCTOR_UNDER_TEST"):
+        return Path(os.environ["SM120_DOCTOR_UNDER_TEST"])
     tree = trees.build_patched_tree(scratch / "applied")
     package = tree.path / "sglang" / "sm120_doctor"
     shutil.copyfile(KNOWN_BAD, package / "known_bad.toml")
