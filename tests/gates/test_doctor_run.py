@@ -158,6 +158,15 @@ def test_the_installed_command_tells_this_cpu_machine_the_truth(venv: Path, tmp_
         assert report["facts"]["gpus"]
 
 
+def test_serve_arguments_go_to_the_installed_sglang(venv: Path, tmp_path: Path) -> None:
+    """Without a GPU, the installed sglang itself refuses the serve arguments."""
+    model = REPO_ROOT / "gatetable" / "models" / "llama_dense"
+    code, report = doctor(venv, tmp_path, "--", "--model-path", str(model), "--tp", "2")
+    [(level, summary)] = summaries(report, "decisions")
+    assert (code, level) == (2, "fail") and summary.startswith("sglang refuses: No accelerator")
+    assert report["facts"]["tp"] == 2
+
+
 def test_on_a_faked_sm120_host(venv: Path, tmp_path: Path) -> None:
     nvml = doctorpkg.stand_in_nvml(tmp_path)
     env = {
