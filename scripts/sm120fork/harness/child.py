@@ -238,6 +238,7 @@ class _Warnings(logging.Handler):
         logging.getLogger("sglang").removeHandler(self)
 
     def text(self) -> str | None:
+        # table.LOG_SEP (child.py imports nothing from the harness package)
         return " | ".join(self.messages) or None
 
 
