@@ -230,7 +230,7 @@ class _Warnings(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
 
-    def __enter__(self) -> "_Warnings":
+    def __enter__(self) -> _Warnings:
         logging.getLogger("sglang").addHandler(self)
         return self
 
