@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import re
 import sys
 import types
@@ -111,6 +112,37 @@ def test_resolution_error_is_an_observation(server_args_class: Any) -> None:
     server_args_class(ResolveOnceArgs)
     obs = child.run_scenario({"name": "s", "model_path": "raise", "args": {}, "probes": []})
     assert obs == {"error": "ValueError: TRTLLM MLA backend is only supported on Blackwell"}
+
+
+class WarningArgs(ResolveOnceArgs):
+    """Resolves like 0.5.23 and logs a fallback on an sglang logger while doing so."""
+
+    def resolve_once(self) -> None:
+        logging.getLogger("sglang.srt.arg_groups.x").warning("triton: %s", "fa3 has no kernels")
+        logging.getLogger("sglang.srt.arg_groups.x").info("not a warning")
+        super().resolve_once()
+
+
+def test_resolution_warnings_are_an_observation(server_args_class: Any) -> None:
+    server_args_class(WarningArgs)
+    obs = child.run_scenario({"name": "s", "model_path": "m", "args": {}, "probes": []})
+    assert obs["log.warnings"] == "triton: fa3 has no kernels"
+    server_args_class(ResolveOnceArgs)
+    obs = child.run_scenario({"name": "s", "model_path": "m", "args": {}, "probes": []})
+    assert obs["log.warnings"] is None
+
+
+@pytest.mark.parametrize(
+    ("observed", "ok"),
+    [
+        ("a | triton: fa3 has no kernels", True),
+        ("triton: once | triton: twice", False),  # a fallback warns exactly once
+        ("something else", False),
+        (None, False),
+    ],
+)
+def test_warns_cell_wants_exactly_one_record(observed: str | None, ok: bool) -> None:
+    assert table.matches("warns:triton:", observed) is ok
 
 
 def test_unavailable_and_harness_cells_are_blind() -> None:

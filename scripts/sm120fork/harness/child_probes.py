@@ -178,6 +178,26 @@ def probe_deep_gemm(_: Any) -> Observation:
     }
 
 
+MODEL_LOADER_UTILS = ("sglang.srt.model_loader.utils",)
+UE8M0_REQUANT_FIELDS = (
+    "model_loader.requant_ue8m0[dense 128x128]",
+    "model_loader.requant_ue8m0[grouped MoE 128x128]",
+)
+
+
+def probe_ue8m0_requant(_: Any) -> Observation:
+    """Whether block-FP8 weights are requantized at load into DeepGEMM's packed UE8M0
+    scales (model_loader.utils.should_deepgemm_weight_requant_ue8m0), for a dense
+    layer and for the grouped MoE GEMM: the GEMM that runs must read that layout."""
+    _, utils = _first_module(MODEL_LOADER_UTILS, "should_deepgemm_weight_requant_ue8m0")
+    requant = utils.should_deepgemm_weight_requant_ue8m0
+    dense, grouped = ({"weight_block_size": [128, 128], "grouped_moe": g} for g in (False, True))
+    return {
+        UE8M0_REQUANT_FIELDS[0]: plain(_call_by_name(requant, dense)),
+        UE8M0_REQUANT_FIELDS[1]: plain(_call_by_name(requant, grouped)),
+    }
+
+
 class _Launched(Exception):
     """Control flow: carries the constants of the caught kernel launch."""
 
@@ -338,6 +358,7 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     ),
     "fp4_gemm": (probe_fp4_gemm, ("fp4_utils.fp4_gemm_runner_backend",)),
     "deep_gemm": (probe_deep_gemm, tuple(f"deep_gemm.{f}" for f in DEEP_GEMM_FLAGS)),
+    "ue8m0_requant": (probe_ue8m0_requant, UE8M0_REQUANT_FIELDS),
     "triton_tiles": (probe_triton_tiles, ()),
     "nvfp4_moe": (probe_nvfp4_moe, ("modelopt_quant.nvfp4_moe_runner_backend",)),
     "muse_spark_moe": (probe_muse_spark_moe, ("muse_spark_fp4_moe.moe_runner_backend",)),
