@@ -245,8 +245,13 @@ def test_cells_judges_a_patch_s_rows_cell_by_cell(
 
     patch = "sm120-olmo2-attention-triton.patch"
     rows = [r for r in table.load_table(list(ARCHS)).rows if r.patch == patch]
+    # sm120 observes what each row wants: the backend, or the fallback's warning
+    sm120: dict[str, dict[str, str]] = {}
+    for r in rows:
+        value = "triton" if r.field == "attention_backend" else "fa3 has no SM12x kernels"
+        sm120.setdefault(r.scenario, {})[r.field] = value
     observations = {
-        "sm120": {r.scenario: {r.field: "triton"} for r in rows},
+        "sm120": sm120,
         "sm121": {r.scenario: {"error": "ValueError: refused"} for r in rows},
     }
     saved = tmp_path / "obs.json"
