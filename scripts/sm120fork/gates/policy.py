@@ -160,12 +160,22 @@ def _check_keys(table: dict[str, Any], allowed: set[str], where: str) -> None:
 
 def load_policy(path: Path) -> Policy:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return Policy(source=str(path))
+    return policy_from_text(text, str(path))
+
+
+def policy_from_text(text: str | None, source: str) -> Policy:
+    """The one parser of patches/gates.toml (a file, or its text at a git revision);
+    no text is an empty policy."""
+    if text is None:
+        return Policy(source=source)
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
-        raise FatalError(f"{path}: {error}") from error
-    return parse_policy(data, str(path))
+        raise FatalError(f"{source}: {error}; fix it there") from error
+    return parse_policy(data, source)
 
 
 def parse_policy(data: dict[str, Any], source: str = "gates.toml") -> Policy:
