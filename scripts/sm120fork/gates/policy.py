@@ -45,7 +45,7 @@ sources instead.
 from __future__ import annotations
 
 import ast
-import sys
+import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,11 +54,6 @@ from typing import Any
 from sm120fork.errors import FatalError
 from sm120fork.gates.model import DECISIONS, Gate
 from sm120fork.gates.scan import scan_source
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the tool runs on 3.11, the config allows 3.10
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,11 @@ The file's own header documents the format for people who edit it.
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from .spec import EXPECTATIONS_FILE, SpecError
 
