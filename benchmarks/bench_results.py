@@ -46,4 +46,4 @@ def results_file(results: dict[str, Any]) -> str:
         "timed tests.",
         "",
     ]
-    return "\n".join(header) + render(results)
+    return "\n".join(header) + "\n" + render(results)
