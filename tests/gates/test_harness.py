@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from sm120fork.harness import child, fakes, report, runner, table
+from sm120fork.harness import child, fakes, report, runner, table, zygotes
 
 
 @dataclasses.dataclass
@@ -280,7 +280,7 @@ def test_a_forked_child_that_observes_otherwise_is_named_field_by_field() -> Non
 
 
 def test_what_a_zygote_asked_the_fake_nvidia_smi_in_vain_fails_the_matrix(tmp_path: Path) -> None:
-    runner._refuse_unexpected_queries(tmp_path)  # nothing asked
+    zygotes.refuse_unexpected_queries(tmp_path)  # nothing asked
     (tmp_path / "nvidia-smi-unexpected.log").write_text("--query-gpu=clocks.max.sm\n")
     with pytest.raises(runner.HarnessError, match=re.escape("clocks.max.sm")):
-        runner._refuse_unexpected_queries(tmp_path)
+        zygotes.refuse_unexpected_queries(tmp_path)
