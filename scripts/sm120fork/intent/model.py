@@ -27,6 +27,9 @@ it), `module_of` (the module that defines a name). Operations (one per edit):
 `comment_after` (comment lines after the comment line given), `condition` (the
 `if` whose test this is gets test `by`), `replace` (an expression or statement
 becomes `by`), `import_beside` (a `from` import of `name` next to this one).
+A new module is an edit of its own, `new_file = "python/sglang/x.py"` with
+`code` its whole text: made where the tree has no file there, already made where
+it has that text, and a conflict (not-found) where it has another.
 Statements and conditions are matched by their syntax tree, so formatting and
 quotes do not matter.
 """
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from sm120fork.errors import FatalError
 
@@ -56,6 +59,7 @@ OPERATIONS = {
     "import_beside": "name",
 }
 OPTIONS = ("within", "holding", "comment", "count", "paragraph")
+NEW_FILE = "new_file"  # both scope and operation of an edit that creates a file
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Edit:
             "class": "class",
             "model": "the override for",
             "module_of": "the module of",
+            NEW_FILE: "new file",
         }
         return f"{label[self.scope]} {self.name}"
 
@@ -122,6 +127,8 @@ def parse_intent(raw: dict[str, object], where: str) -> Intent:
 def _edit(raw: object, where: str) -> Edit:
     if not isinstance(raw, dict):
         raise FatalError(f"{where}: must be a table")
+    if NEW_FILE in raw:
+        return _new_file(raw, where)
     scopes = [key for key in SCOPES if key in raw]
     ops = [key for key in OPERATIONS if key in raw]
     if len(scopes) != 1 or len(ops) != 1:
@@ -160,3 +167,15 @@ def _edit(raw: object, where: str) -> Edit:
         count=count,
         paragraph=paragraph,
     )
+
+
+def _new_file(raw: dict[str, object], where: str) -> Edit:
+    if unknown := sorted(set(raw) - {NEW_FILE, "code"}):
+        raise FatalError(f"{where}: a `{NEW_FILE}` edit has only `code`, not {', '.join(unknown)}")
+    path, code = raw.get(NEW_FILE), raw.get("code")
+    if not isinstance(path, str) or not isinstance(code, str):
+        raise FatalError(f"{where}: `{NEW_FILE}` and `code` must be strings")
+    parts = PurePosixPath(path).parts
+    if not parts or path != PurePosixPath(path).as_posix() or path.startswith("/") or ".." in parts:
+        raise FatalError(f"{where}: `{NEW_FILE}` must be a relative path inside the tree")
+    return Edit(scope=NEW_FILE, name=path, op=NEW_FILE, target=path, code=code)

@@ -31,7 +31,7 @@ from pathlib import Path
 import libcst as cst
 
 from sm120fork.cachedir import CacheDir
-from sm120fork.intent.model import Intent
+from sm120fork.intent.model import NEW_FILE, Intent
 from sm120fork.intent.reapply import Reapplied, reapply
 
 _MAGIC = b"sm120fork-intent-proof 1\n"
@@ -74,8 +74,10 @@ def reapply_kept(
     intent: Intent, read: Callable[[str], str | None], candidates: Iterable[str]
 ) -> Reapplied:
     """`reapply(intent, read, candidates)`, from the cache when these bytes were proved
-    before. Every candidate is read first (reapply reads them all anyway)."""
-    texts = {path: read(path) for path in dict.fromkeys(candidates)}
+    before. Every candidate is read first (reapply reads them all anyway), and the
+    path of each file the intent creates (what is there decides the result)."""
+    created = [edit.name for edit in intent.edits if edit.scope == NEW_FILE]
+    texts = {path: read(path) for path in dict.fromkeys([*candidates, *created])}
     key = proof_key(intent, texts)
     kept = _load(key)
     if kept is not None:

@@ -18,7 +18,7 @@ import libcst as cst
 from sm120fork.intent import edits
 from sm120fork.intent.freenames import stored
 from sm120fork.intent.locate import may_hold, scopes, within
-from sm120fork.intent.model import Edit, Intent
+from sm120fork.intent.model import NEW_FILE, Edit, Intent
 from sm120fork.intent.present import present
 from sm120fork.intent.source import Source, parsed
 
@@ -70,7 +70,18 @@ def reapply(
     already: list[str] = []
     adaptations: list[str] = []
     introduced = _introduced(intent)
+    created: dict[str, str] = {}
     for order, edit in enumerate(intent.edits):
+        if edit.scope == NEW_FILE:
+            there = read(edit.name)
+            if there is None:
+                created[edit.name] = edit.code
+            elif there == edit.code:
+                already.append(f"{edit.where()}: upstream has it, byte for byte")
+            else:
+                detail = "the tree already has another file there; merge the two by hand"
+                return Reapplied("not-found", f"{edit.where()}: {detail}")
+            continue
         found = tree.find(edit)
         if not found:
             return Reapplied("not-found", f"{edit.where()}: not in the tree")
@@ -88,9 +99,9 @@ def reapply(
             planned.setdefault(source.path, (source, []))[1].extend(splices)
         if adapted:
             adaptations.append(f"{edit.where()}: {adapted}")
-    if not planned:
+    if not planned and not created:
         return Reapplied("upstreamed", f"upstream's code already does it: {'; '.join(already)}")
-    changes = {}
+    changes = dict(created)
     for path, (source, splices) in planned.items():
         text = _spliced(source.text, splices)
         if text is None:
@@ -116,14 +127,16 @@ def _scope_names(intent: Intent) -> frozenset[str] | None:
     worked out for the whole class."""
     if any(edit.scope == "class" for edit in intent.edits):
         return None
-    return frozenset(edit.name.rsplit(".", 1)[-1] for edit in intent.edits)
+    return frozenset(e.name.rsplit(".", 1)[-1] for e in intent.edits if e.scope != NEW_FILE)
 
 
 def _introduced(intent: Intent) -> frozenset[str]:
     """The names the intent's edits bind (a new function, an import), which its other
-    edits' code may use."""
+    edits' code may use (a new module's names need an import to be used)."""
     names: set[str] = set()
     for edit in intent.edits:
+        if edit.scope == NEW_FILE:
+            continue
         if edit.op == "import_beside":
             names.add(edit.code)
             continue

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from sm120fork.intent.model import Edit, Intent
+from sm120fork.intent.model import NEW_FILE, Edit, Intent
 
 _NOT_FUNCTIONS = set(dir(builtins)) | set(keyword.kwlist)
 
@@ -55,6 +55,9 @@ def applied(intent: Intent, renames: dict[str, str]) -> Intent:
     def renamed(edit: Edit) -> Edit:
         def text(key: str) -> str:
             return renamed_text(getattr(edit, key), renames)
+
+        if edit.scope == NEW_FILE:  # its path is no name to rename
+            return replace(edit, code=text("code"))
 
         return replace(
             edit,
