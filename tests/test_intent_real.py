@@ -1,7 +1,8 @@
 """The series' own intents (patches/intents.toml) on the vendored tree: every patch has
 one, each reproduces its patch byte for byte (what `check` proves), and each still
 makes the same program when upstream reformats the code (other quotes, conditions
-re-wrapped black-style) or moves it to another module."""
+re-wrapped black-style) or moves it to another module. A file the patch creates is
+absent (None) below it, and is made where its intent names it."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ INTENTS = load_intents(PATHS.intents_file)
 ENTRIES = read_series(PATHS.series_file).entries
 NAMES = [entry.name for entry in ENTRIES]
 
-Case = tuple[dict[str, str], dict[str, str]]  # the patch's files before it, and after
+Case = tuple[dict[str, str | None], dict[str, str]]  # the patch's files before it, and after
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def cases() -> dict[str, Case]:
     found: dict[str, Case] = {}
     for entry in ENTRIES:
         patch = load_patch(PATHS.patches_dir / entry.name, entry.name, entry.strip)
-        before = {path: overlay.read(path) or "" for path in patch.paths}
+        before = {path: overlay.read(path) for path in patch.paths}
         apply_patch(overlay, patch)
         found[entry.name] = (before, {path: overlay.read(path) or "" for path in patch.paths})
     return found
@@ -109,24 +110,30 @@ def _same_program(result: dict[str, str], after: dict[str, str]) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_the_intent_survives_a_reformat(name: str, cases: dict[str, Case]) -> None:
     before, after = cases[name]
-    reformatted = {p: cst.parse_module(t).visit(Reformat()).code for p, t in before.items()}
-    assert reformatted != before
+    reformatted = {
+        p: None if t is None else cst.parse_module(t).visit(Reformat()).code
+        for p, t in before.items()
+    }
+    assert reformatted != before or all(t is None for t in before.values())
     result = reapply(INTENTS[name], reformatted.get, sorted(reformatted))
     assert result.status == "resolved", result.detail
     _same_program(result.changes, after)
 
 
-def _moved(path: str) -> str:
+def _moved(path: str, before: dict[str, str | None]) -> str:
+    """Where upstream's file moved to; a new file has no code to follow and keeps its path."""
+    if before[path] is None:
+        return path
     return path.replace("python/sglang/", "python/sglang/moved/", 1)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_intent_follows_its_code_into_other_modules(name: str, cases: dict[str, Case]) -> None:
     before, after = cases[name]
-    moved = {_moved(path): text for path, text in before.items()}
+    moved = {_moved(path, before): text for path, text in before.items() if text is not None}
     result = reapply(INTENTS[name], moved.get, sorted(moved))
     assert result.status == "resolved", result.detail
-    _same_program(result.changes, {_moved(path): text for path, text in after.items()})
+    _same_program(result.changes, {_moved(path, before): text for path, text in after.items()})
 
 
 def test_a_model_override_moved_into_another_module_is_found_there(
@@ -136,6 +143,7 @@ def test_a_model_override_moved_into_another_module_is_found_there(
     modules): the intent finds it by its registration, edits only it."""
     ((olmo2_path, olmo2),) = cases["sm120-olmo2-attention-triton.patch"][0].items()
     ((exaone_path, exaone),) = cases["sm120-exaone-attention-triton.patch"][0].items()
+    assert olmo2 is not None and exaone is not None
     override = olmo2[olmo2.index('@_register_for("Olmo2ForCausalLM")') :]
     merged = {exaone_path: f"{exaone}\n\n{override}", olmo2_path: "# moved\n"}
     result = reapply(INTENTS["sm120-olmo2-attention-triton.patch"], merged.get, sorted(merged))
