@@ -46,6 +46,7 @@ class PatchEntry:
     conflicts: tuple[Conflict, ...] = ()  # a conflicted or resolved patch's
     walked: Walked | None = None  # with --step
     strategy: str = ""  # what carried or dropped it at the last release reached
+    verified: str = ""  # what its rows showed on the last release reached (verify.py)
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ def _patch(state: RebaseState, index: int) -> PatchEntry:
             found = (state.target.version, "")
         walked = Walked(found[0] if found else None, patch.steps)
     last = patch.steps[-1] if patch.steps and status != "pending" else None
-    return PatchEntry(patch.name, status, detail, conflicts, walked, last.strategy if last else "")
+    strategy, verified = (last.strategy, last.verified) if last else ("", "")
+    return PatchEntry(patch.name, status, detail, conflicts, walked, strategy, verified)
 
 
 def _step_json(step: StepResult) -> JsonObject:
@@ -196,6 +198,7 @@ def _step_json(step: StepResult) -> JsonObject:
         "strategy": step.strategy,
         "detail": fate.step_detail(step),
         "note": step.note,
+        "verified": step.verified,
     }
 
 
@@ -248,6 +251,7 @@ def _patch_json(patch: PatchEntry) -> JsonObject:
         "status": patch.status,
         "strategy": patch.strategy,
         "detail": patch.detail,
+        "verified": patch.verified,
         "conflicts": [_conflict_json(c) for c in patch.conflicts],
     }
     if patch.walked is not None:

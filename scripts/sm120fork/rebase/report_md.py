@@ -10,7 +10,7 @@ from pathlib import Path
 from sm120fork.fsutil import atomic_write_many
 from sm120fork.rebase import fate, gatefindings
 from sm120fork.rebase.gatefindings import KINDS
-from sm120fork.rebase.report import Release, Report, _Conditions, _conditions
+from sm120fork.rebase.report import PatchEntry, Release, Report, _Conditions, _conditions
 
 _DRY_RUN_NOTE = [
     "A dry run goes on past a conflict: the patches after one were carried without it.",
@@ -64,7 +64,7 @@ def _markdown(report: Report, listed: int | None) -> str:
         "| patch | status | strategy | what happened |",
         "|---|---|---|---|",
         *(
-            f"| `{p.name}` | {p.status} | {p.strategy or '-'} | {_cell(p.detail)} |"
+            f"| `{p.name}` | {p.status} | {p.strategy or '-'} | {_cell(_said(p))} |"
             for p in report.patches
         ),
     ]
@@ -153,3 +153,8 @@ def _fenced(text: str) -> list[str]:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return [f"{fence}python", *text.rstrip("\n").split("\n"), fence]
+
+
+def _said(patch: PatchEntry) -> str:
+    """What happened, then what its rows showed (verify.py)."""
+    return f"{patch.detail}; {patch.verified}" if patch.verified else patch.detail
