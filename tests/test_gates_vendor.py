@@ -107,7 +107,10 @@ def test_the_gates_the_series_adds_are_in_the_patched_tree() -> None:
     """`added` entries review gates upstream lacks; the patched sources must hold them."""
     policy = load_policy(POLICY)
     assert {rule.decision.patch for rule in policy.added} == {
-        "sm120-pcie-ipc-allreduce-default.patch"
+        "sm120-pcie-ipc-allreduce-default.patch",
+        "sm120-nsa-guard.patch",
+        "sm120-trtllm-mha-checkpoint-fp8-kv.patch",
+        "sm120-pdmux-guard.patch",
     }
     overlay = apply_stack(VENDOR, load_stack(RepoPaths(REPO)).patches)
     assert unmatched_added(policy, overlay.read) == []

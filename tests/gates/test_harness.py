@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import re
 import sys
 import types
@@ -113,6 +114,37 @@ def test_resolution_error_is_an_observation(server_args_class: Any) -> None:
     assert obs == {"error": "ValueError: TRTLLM MLA backend is only supported on Blackwell"}
 
 
+class WarningArgs(ResolveOnceArgs):
+    """Resolves like 0.5.23 and logs a fallback on an sglang logger while doing so."""
+
+    def resolve_once(self) -> None:
+        logging.getLogger("sglang.srt.arg_groups.x").warning("triton: %s", "fa3 has no kernels")
+        logging.getLogger("sglang.srt.arg_groups.x").info("not a warning")
+        super().resolve_once()
+
+
+def test_resolution_warnings_are_an_observation(server_args_class: Any) -> None:
+    server_args_class(WarningArgs)
+    obs = child.run_scenario({"name": "s", "model_path": "m", "args": {}, "probes": []})
+    assert obs["log.warnings"] == "triton: fa3 has no kernels"
+    server_args_class(ResolveOnceArgs)
+    obs = child.run_scenario({"name": "s", "model_path": "m", "args": {}, "probes": []})
+    assert obs["log.warnings"] is None
+
+
+@pytest.mark.parametrize(
+    ("observed", "ok"),
+    [
+        ("a | triton: fa3 has no kernels", True),
+        ("triton: once | triton: twice", False),  # a fallback warns exactly once
+        ("something else", False),
+        (None, False),
+    ],
+)
+def test_warns_cell_wants_exactly_one_record(observed: str | None, ok: bool) -> None:
+    assert table.matches("warns:triton:", observed) is ok
+
+
 def test_unavailable_and_harness_cells_are_blind() -> None:
     row = table.Row(1, "s", "f", None, "x.patch", {"sm120": "64x64", "sm90": "128x64"})
     observations: table.Observations = {
@@ -140,15 +172,27 @@ def test_markdown_footnotes_errors_and_omits_missing_fields() -> None:
 
 def test_child_stays_a_standalone_script() -> None:
     """runner.py runs child.py as a script: it may load only its siblings child_probes and
-    (through child_probes) load_probes and allreduce_probes, each of which falls back to a
-    plain import."""
+    (through child_probes) load_probes, allreduce_probes and kernel_probes (with its
+    gemm_launches and kernel_compile), each of which falls back to a plain import."""
     here = Path(child.__file__).parent
     relative = re.compile(r"^\s*from \.(\S*) import (.+)$", re.MULTILINE)
+    plain = re.compile(r"^\s*(?:import (\w+)|from (\w+) import)", re.MULTILINE)
     assert relative.findall((here / "child.py").read_text()) == [("", "child_probes")]
     siblings = relative.findall((here / "child_probes.py").read_text())
-    assert siblings == [("", "allreduce_probes, load_probes")]
-    assert relative.findall((here / "load_probes.py").read_text()) == []
-    assert relative.findall((here / "allreduce_probes.py").read_text()) == []
+    assert siblings == [("", "allreduce_probes, kernel_probes, load_probes")]
+    assert relative.findall((here / "kernel_probes.py").read_text()) == [
+        ("", "gemm_launches"),
+        ("kernel_compile", "Compiler, call_by_name, idx, imp, meta"),
+    ]
+    assert relative.findall((here / "gemm_launches.py").read_text()) == [
+        ("kernel_compile", "Compiler, idx, imp, meta")
+    ]
+    for name, fallbacks in (("kernel_probes", {"gemm_launches", "kernel_compile"}),
+                            ("gemm_launches", {"kernel_compile"})):  # fmt: skip
+        found = {a or b for a, b in plain.findall((here / f"{name}.py").read_text())}
+        assert fallbacks <= found, f"{name}.py lacks the plain-import fallback"
+    for leaf in ("load_probes", "allreduce_probes", "kernel_compile"):
+        assert relative.findall((here / f"{leaf}.py").read_text()) == []
 
 
 def test_nvml_standin_answers_a_topology_only_while_asked(

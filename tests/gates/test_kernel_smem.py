@@ -1,4 +1,11 @@
-"""Shared memory of attention kernels compiled for SM120, against SM12x's per-block limit.
+"""Shared memory of the kernels SM12x runs, compiled for SM120, against SM12x's per-block limit.
+
+test_selected_kernels_fit: every Triton launch the SM12x decisions select for the
+families of scenarios.toml (Triton extend/decode attention incl. MLA decode, the vision
+encoder's Triton prefill, the Triton fused-MoE kernel at each config sglang's lookup
+returns for the family's expert shapes, the Triton block-FP8 GEMM where the dispatch
+can reach it), enumerated and compiled by the `kernel_fit` probe
+(sm120fork/harness/kernel_probes.py) in faked sm120/sm121 children of each tested tree.
 
 The figures the patch headers cite (sm120-triton-attention-tiles, sm120-nsa-guard) come
 from here: each kernel of vendor/sglang is compiled (Triton) or lowered (TileLang) for
@@ -16,13 +23,15 @@ import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
-from sm120fork.harness import spec
+from sm120fork.harness import kernel_probes, runner, spec, trees
 
 pytest.importorskip("triton")
 
 SM120 = {a.name: a for a in spec.load_archs()}["sm120"]
+SM12X = tuple(a for a in spec.load_archs() if a.capability[0] == 12)
 LIMIT = int(SM120.values["smem_per_block_optin_kib"]) * 1024  # 101376
 MAJOR, MINOR = SM120.capability
 
@@ -118,3 +127,108 @@ def test_tilelang_dsa_kernels(smem: dict[str, int]) -> None:
     """sm120-nsa-guard: TileLang DSA runs on SM12x with an FP8 KV cache only."""
     assert smem["tilelang_dsa_bf16[h=16]"] == 170048 > LIMIT
     assert smem["tilelang_dsa_fp8[h=16]"] == 28288 <= LIMIT
+
+
+# --------------------------------------------------------------------------- every selected launch
+
+# Kernels the table's families must reach somewhere (else the enumeration went blind):
+# (kernel function, tile constant that tells the variant apart, or "" for any).
+REACHED = {
+    "extend attention": ("extend_attention._fwd_kernel", ""),
+    "decode attention": ("decode_attention._fwd_grouped_kernel_stage1", ""),
+    "MLA decode": ("decode_attention._fwd_grouped_kernel_stage1", "BLOCK_DPE"),
+    "vision prefill attention": ("prefill_attention._fwd_kernel", ""),
+    "fused MoE": ("fused_moe_triton_kernels.fused_moe_kernel", ""),
+    "block-FP8 GEMM": ("fp8_kernel._w8a8_block_fp8_matmul", ""),
+}
+
+
+@pytest.fixture(scope="session")
+def kernel_fit(
+    pytestconfig: pytest.Config,
+    tmp_path_factory: pytest.TempPathFactory,
+    gate_trees: dict[str, trees.Tree],
+    zygote_pool: runner.ZygotePool,
+) -> dict[str, runner.MatrixRun]:
+    """Each tree's selected launches on sm120 and sm121 (the scenarios with a model)."""
+    scenarios = [
+        spec.Scenario(s.name, s.model, s.args, ("kernel_fit",))
+        for s in spec.load_scenarios().values()
+        if s.model
+    ]
+    return runner.run_matrices(
+        {label: tree.path for label, tree in gate_trees.items()},
+        SM12X,
+        scenarios,
+        scratch=tmp_path_factory.mktemp("kernel-fit"),
+        jobs=pytestconfig.getoption("--gate-jobs") or None,
+        zygotes=zygote_pool,
+    )
+
+
+def _launches(run: runner.MatrixRun) -> list[tuple[str, str, dict[str, Any]]]:
+    """(arch, scenario, launch record) of every selected launch; a probe error fails."""
+    found: list[tuple[str, str, dict[str, Any]]] = []
+    broken: list[str] = []
+    for arch, scenarios in run.observations.items():
+        for name, obs in scenarios.items():
+            if obs.get("error"):  # refused at argument time: nothing runs
+                continue
+            records = obs.get(kernel_probes.FIELD)
+            if not isinstance(records, list):
+                broken.append(f"{arch} {name}: {records}")
+                continue
+            found.extend((arch, name, record) for record in records)
+    assert not broken, "kernel_fit probe failed:\n" + "\n".join(broken)
+    return found
+
+
+def _describe(arch: str, scenario: str, record: dict[str, Any]) -> str:
+    return (
+        f"{arch} {scenario}: {record['kernel']} {record['tiles']} warps={record['num_warps']} "
+        f"stages={record['num_stages']}: {record['shared']} B ({record['cases'][0]})"
+    )
+
+
+def _overflows(run: runner.MatrixRun) -> dict[tuple[str, str], list[str]]:
+    limits = {a.name: int(a.values["smem_per_block_optin_kib"]) * 1024 for a in SM12X}
+    over: dict[tuple[str, str], list[str]] = {}
+    for arch, name, record in _launches(run):
+        if record["shared"] > limits[arch]:
+            over.setdefault((arch, name), []).append(_describe(arch, name, record))
+    return over
+
+
+def test_selected_kernels_fit(
+    tree_label: str, gate_trees: dict[str, trees.Tree], kernel_fit: dict[str, runner.MatrixRun]
+) -> None:
+    """Every selected launch fits SM12x's per-block shared memory. On a pristine tree,
+    a launch that does not fit passes only where a patched tree of this session fits
+    (the series fixes it); with no patched tree, it fails."""
+    over = _overflows(kernel_fit[tree_label])
+    if gate_trees[tree_label].mode == trees.PRISTINE:
+        patched = [label for label, t in gate_trees.items() if t.mode == trees.PATCHED]
+        fixed = {key for key in over if patched and all(
+            key not in _overflows(kernel_fit[label]) for label in patched)}  # fmt: skip
+        over = {key: lines for key, lines in over.items() if key not in fixed}
+    lines = [line for found in over.values() for line in found]
+    assert not lines, (
+        f"{tree_label}: {len(lines)} selected Triton launches exceed SM12x's per-block shared "
+        "memory (fix the tiles with a patch, or refuse the configuration):\n" + "\n".join(lines)
+    )
+
+
+def test_selected_kernels_cover_the_table(
+    tree_label: str, kernel_fit: dict[str, runner.MatrixRun]
+) -> None:
+    """The enumeration reaches each kernel family the SM12x decisions select."""
+    launches = _launches(kernel_fit[tree_label])
+    missing = [
+        what
+        for what, (kernel, tile) in REACHED.items()
+        if not any(
+            r["kernel"].endswith(kernel) and (not tile or r["tiles"].get(tile))
+            for _, _, r in launches
+        )
+    ]
+    assert not missing, f"{tree_label}: no selected launch of {', '.join(missing)}"

@@ -23,29 +23,50 @@ COMMUNICATORS = "sglang.srt.distributed.device_communicators"
 PCIE_IPC = (f"{COMMUNICATORS}.pcie_ipc_ar",)
 CUSTOM_AR = (f"{COMMUNICATORS}.custom_all_reduce",)
 PCIE_IPC_ENV = "SGLANG_ENABLE_PCIE_IPC_ALLREDUCE"
-# (topology of the fake NVML (fakes.py), GPUs = TP size, PCIE_IPC_ENV or None, deterministic)
-PCIE_IPC_CASES: tuple[tuple[str, int, str | None, bool], ...] = (
-    *((topology, gpus, None, False) for topology in ("pcie", "nvlink") for gpus in (2, 4, 8)),
-    ("pcie", 6, None, False),
-    ("nop2p", 4, None, False),
-    *(("pcie", 8, env, False) for env in ("0", "false", "1")),
-    ("nvlink", 8, "1", False),
-    ("pcie", 8, None, True),
+# An opt-out of P2P collectives in a case: NCCL's switch, or the custom-allreduce flag
+# (parallel_state.set_custom_all_reduce(False), as bootstrap.py does for it).
+NCCL_P2P_OFF = "NCCL_P2P_DISABLE=1"
+NO_CUSTOM_AR = "--disable-custom-all-reduce"
+# (topology of the fake NVML (fakes.py) or "pcie-broken" (NVML reports PCIe P2P, the
+#  driver's peer test fails, as behind an IOMMU or ACS), GPUs = TP size, PCIE_IPC_ENV or
+#  None, deterministic, opt-out or "")
+PCIE_IPC_CASES: tuple[tuple[str, int, str | None, bool, str], ...] = (
+    *((topology, gpus, None, False, "") for topology in ("pcie", "nvlink") for gpus in (2, 4, 8)),
+    ("pcie", 6, None, False, ""),
+    ("nop2p", 4, None, False, ""),
+    *(("pcie", 8, env, False, "") for env in ("0", "false", "1")),
+    ("nvlink", 8, "1", False, ""),
+    ("pcie", 8, None, True, ""),
+    ("pcie-broken", 8, None, False, ""),
+    ("pcie", 8, None, False, NCCL_P2P_OFF),
+    ("pcie", 8, None, False, NO_CUSTOM_AR),
 )
-PCIE_IPC_LOGGED = ("pcie", 8, None, False)  # the case whose log lines are recorded
+# the cases whose log lines are recorded
+PCIE_IPC_LOGGED = (
+    ("pcie", 8, None, False, ""),
+    ("pcie-broken", 8, None, False, ""),
+    ("pcie", 8, None, False, NCCL_P2P_OFF),
+    ("pcie", 8, None, False, NO_CUSTOM_AR),
+)
 CUSTOM_AR_HOSTS = (("pcie", 2), ("pcie", 8), ("nvlink", 8))
 
 
-def _pcie_ipc_field(topology: str, gpus: int, env: str | None, deterministic: bool) -> str:
+def _case_label(
+    topology: str, gpus: int, env: str | None, deterministic: bool, opt_out: str
+) -> str:
     extra = (f", {PCIE_IPC_ENV}={env}" if env is not None else "") + (
         ", deterministic" if deterministic else ""
     )
-    return f"pcie_ipc.eligible_group[{topology} x{gpus}{extra}]"
+    return f"{topology} x{gpus}{extra}" + (f", {opt_out}" if opt_out else "")
+
+
+def _pcie_ipc_field(*case: Any) -> str:
+    return f"pcie_ipc.eligible_group[{_case_label(*case)}]"
 
 
 FIELDS = (
     *(_pcie_ipc_field(*case) for case in PCIE_IPC_CASES),
-    "pcie_ipc.log[pcie x8]",
+    *(f"pcie_ipc.log[{_case_label(*case)}]" for case in PCIE_IPC_LOGGED),
     *(f"custom_allreduce[{topology} x{gpus}]" for topology, gpus in CUSTOM_AR_HOSTS),
 )
 
@@ -58,14 +79,15 @@ def _host(topology: str, gpus: int, environ: Mapping[str, str | None]) -> Iterat
     names = ("SM120_GATE_NVML_TOPOLOGY", "SM120_GATE_NVML_COUNT", *environ)
     saved_env = {name: os.environ.get(name) for name in names}
     saved = (cuda.device_count, getattr(cuda, "can_device_access_peer", None))
-    wanted = {"SM120_GATE_NVML_TOPOLOGY": topology, "SM120_GATE_NVML_COUNT": str(gpus)}
+    nvml = "pcie" if topology == "pcie-broken" else topology
+    wanted = {"SM120_GATE_NVML_TOPOLOGY": nvml, "SM120_GATE_NVML_COUNT": str(gpus)}
     for name, value in {**wanted, **environ}.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
     cuda.device_count = lambda: gpus
-    cuda.can_device_access_peer = lambda device, peer: topology != "nop2p"
+    cuda.can_device_access_peer = lambda device, peer: topology not in ("nop2p", "pcie-broken")
     try:
         yield
     finally:
@@ -75,6 +97,18 @@ def _host(topology: str, gpus: int, environ: Mapping[str, str | None]) -> Iterat
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _custom_ar_flag(enabled: bool) -> Iterator[None]:
+    """parallel_state's custom-allreduce switch (--disable-custom-all-reduce)."""
+    state = importlib.import_module("sglang.srt.distributed.parallel_state")
+    saved = state._ENABLE_CUSTOM_ALL_REDUCE
+    state.set_custom_all_reduce(enabled)
+    try:
+        yield
+    finally:
+        state.set_custom_all_reduce(saved)
 
 
 @contextlib.contextmanager
@@ -149,20 +183,27 @@ def pcie_allreduce(first_module: Any, call_by_name: Any, describe: Any, plain: A
     module_name, pcie_ipc = first_module(PCIE_IPC, "eligible_group")
     logger = logging.getLogger(module_name)
     out: Observation = {}
-    for topology, gpus, env, deterministic in PCIE_IPC_CASES:
+    for case in PCIE_IPC_CASES:
+        topology, gpus, env, deterministic, opt_out = case
+        # The P2P test trusts the faked driver, as for custom allreduce below.
+        environ = {
+            PCIE_IPC_ENV: env,
+            "SGLANG_SKIP_P2P_CHECK": "1",
+            "NCCL_P2P_DISABLE": "1" if opt_out == NCCL_P2P_OFF else None,
+        }
         records, level = _Records(), logger.level
         logger.addHandler(records)
         logger.setLevel(logging.INFO)
         try:
-            with _host(topology, gpus, {PCIE_IPC_ENV: env}):
+            with _host(topology, gpus, environ), _custom_ar_flag(opt_out != NO_CUSTOM_AR):
                 known = {"group_name": "tp", "world_size": gpus, "deterministic": deterministic}
                 eligible = call_by_name(pcie_ipc.eligible_group, known)
         finally:
             logger.removeHandler(records)
             logger.setLevel(level)
-        out[_pcie_ipc_field(topology, gpus, env, deterministic)] = plain(eligible)
-        if (topology, gpus, env, deterministic) == PCIE_IPC_LOGGED:
-            out["pcie_ipc.log[pcie x8]"] = " | ".join(records.messages) or None
+        out[_pcie_ipc_field(*case)] = plain(eligible)
+        if case in PCIE_IPC_LOGGED:
+            out[f"pcie_ipc.log[{_case_label(*case)}]"] = " | ".join(records.messages) or None
     for topology, gpus in CUSTOM_AR_HOSTS:
         out[f"custom_allreduce[{topology} x{gpus}]"] = _custom_allreduce(
             topology, gpus, first_module, describe

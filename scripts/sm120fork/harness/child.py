@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import sys
 import time
@@ -218,6 +219,29 @@ def platform_facts(arch: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- scenarios
 
 
+class _Warnings(logging.Handler):
+    """WARNING records sglang logs while it resolves the arguments: a slower
+    fallback must say so once (the rows' field `log.warnings`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _Warnings:
+        logging.getLogger("sglang").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("sglang").removeHandler(self)
+
+    def text(self) -> str | None:
+        # table.LOG_SEP (child.py imports nothing from the harness package)
+        return " | ".join(self.messages) or None
+
+
 def run_scenario(scenario: dict[str, Any]) -> Observation:
     """Build and resolve ServerArgs for the scenario (if it names a model), then probe."""
     environ = dict(os.environ)
@@ -225,15 +249,18 @@ def run_scenario(scenario: dict[str, Any]) -> Observation:
     server_args: Any = None
     try:
         if scenario.get("model_path"):
+            warnings = _Warnings()
             try:
-                server_args, values = build_server_args(
-                    scenario["model_path"], dict(scenario.get("args", {}))
-                )
+                with warnings:
+                    server_args, values = build_server_args(
+                        scenario["model_path"], dict(scenario.get("args", {}))
+                    )
             except HarnessFailure:
                 raise
             except Exception as exc:
                 obs["error"] = child_probes.describe(exc)["raises"]
                 return obs
+            obs["log.warnings"] = warnings.text()
             for name in SERVER_ARGS_FIELDS:
                 obs[name] = child_probes.plain(values.get(name, MISSING))
             for key in sorted(set(os.environ) | set(environ)):

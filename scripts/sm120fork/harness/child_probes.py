@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:
-    from . import allreduce_probes, load_probes
+    from . import allreduce_probes, kernel_probes, load_probes
 else:  # loaded by child.py as a script: this directory is sys.path[0]
     import allreduce_probes
+    import kernel_probes
     import load_probes
 
 Observation = dict[str, Any]
@@ -174,6 +175,26 @@ def probe_deep_gemm(_: Any) -> Observation:
     _, configurer = _first_module(DEEP_GEMM, "ENABLE_JIT_DEEPGEMM")
     return {
         f"deep_gemm.{flag}": plain(getattr(configurer, flag, MISSING)) for flag in DEEP_GEMM_FLAGS
+    }
+
+
+MODEL_LOADER_UTILS = ("sglang.srt.model_loader.utils",)
+UE8M0_REQUANT_FIELDS = (
+    "model_loader.requant_ue8m0[dense 128x128]",
+    "model_loader.requant_ue8m0[grouped MoE 128x128]",
+)
+
+
+def probe_ue8m0_requant(_: Any) -> Observation:
+    """Whether block-FP8 weights are requantized at load into DeepGEMM's packed UE8M0
+    scales (model_loader.utils.should_deepgemm_weight_requant_ue8m0), for a dense
+    layer and for the grouped MoE GEMM: the GEMM that runs must read that layout."""
+    _, utils = _first_module(MODEL_LOADER_UTILS, "should_deepgemm_weight_requant_ue8m0")
+    requant = utils.should_deepgemm_weight_requant_ue8m0
+    dense, grouped = ({"weight_block_size": [128, 128], "grouped_moe": g} for g in (False, True))
+    return {
+        UE8M0_REQUANT_FIELDS[0]: plain(_call_by_name(requant, dense)),
+        UE8M0_REQUANT_FIELDS[1]: plain(_call_by_name(requant, grouped)),
     }
 
 
@@ -337,6 +358,7 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     ),
     "fp4_gemm": (probe_fp4_gemm, ("fp4_utils.fp4_gemm_runner_backend",)),
     "deep_gemm": (probe_deep_gemm, tuple(f"deep_gemm.{f}" for f in DEEP_GEMM_FLAGS)),
+    "ue8m0_requant": (probe_ue8m0_requant, UE8M0_REQUANT_FIELDS),
     "triton_tiles": (probe_triton_tiles, ()),
     "nvfp4_moe": (probe_nvfp4_moe, ("modelopt_quant.nvfp4_moe_runner_backend",)),
     "muse_spark_moe": (probe_muse_spark_moe, ("muse_spark_fp4_moe.moe_runner_backend",)),
@@ -464,3 +486,19 @@ PROBES["v41_indexer"] = (
         f"{JIT_DEEPGEMM_OFF}.candidates",
     ),
 )
+
+
+def probe_kernel_fit(server_args: Any) -> Observation:
+    """The Triton launches the scenario's SM12x decisions select, compiled for sm_120
+    (kernel_probes.py; issue 28)."""
+
+    def dispatch_fp8(args: Any, block: list[int]) -> str:
+        _, fp8_utils = _first_module(FP8_UTILS, "dispatch_w8a8_block_fp8_linear")
+        _initialize(fp8_utils.initialize_fp8_gemm_config, args)
+        return _function_name(fp8_utils.dispatch_w8a8_block_fp8_linear(block))
+
+    _publish(server_args)  # the MoE config lookup reads the published exec settings
+    return kernel_probes.kernel_fit(server_args, dispatch_fp8)
+
+
+PROBES["kernel_fit"] = (probe_kernel_fit, (kernel_probes.FIELD, kernel_probes.INPUTS))

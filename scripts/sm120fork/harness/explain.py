@@ -20,7 +20,7 @@ from typing import Any
 
 from sm120fork.gates import load_policy
 
-from . import runner, spec, table, trees
+from . import kernels, runner, spec, table, trees
 
 # What a user asks about, in this order; every other observed field stays in the JSON.
 SHOWN = (
@@ -173,8 +173,12 @@ def explain(
     unknown = [a for a in arch_names if a not in known]
     if unknown:
         raise ExplainError(f"unknown architecture {unknown[0]!r}; one of {', '.join(known)}")
-    scenario = spec.Scenario(
-        name="explain", model=str(model), args=scenario_args(extra), probes=PROBES
+    args = scenario_args(extra)
+    scenario = spec.Scenario(name="explain", model=str(model), args=args, probes=PROBES)
+    # The same checkpoint with b12x forced: does the fork let b12x serve it?
+    forced = spec.Scenario(
+        name="explain_b12x", model=str(model), args={**args, **kernels.FORCED_MOE},
+        probes=("nvfp4_moe",),
     )
     with tempfile.TemporaryDirectory(prefix="sm120-explain-") as tmp:
         scratch = Path(tmp)
@@ -186,18 +190,24 @@ def explain(
         runs = runner.run_matrices(
             {"upstream": trees.pristine_tree().path, "fork": fork.path},
             [known[a] for a in arch_names],
-            [scenario],
+            [scenario, forced],
             scratch=scratch,
         )
     patches, tokens = patches_by_field(), no_kernel_tokens()
     report: dict[str, list[dict[str, Any]]] = {}
+    kernel_report: dict[str, list[dict[str, Any]]] = {}
     text = []
     for arch in arch_names:
         upstream = runs["upstream"].observations[arch]["explain"]
         forked = runs["fork"].observations[arch]["explain"]
         lines = compare(upstream, forked, arch, patches, tokens)
         report[arch] = [asdict(line) for line in lines]
-        text.append(markdown(model, arch, fork_tree, lines))
+        fork_kernels = kernels.kernel_lines(
+            arch, forked, runs["fork"].observations[arch]["explain_b12x"]
+        )
+        kernel_report[arch] = [asdict(line) for line in fork_kernels]
+        text.append(markdown(model, arch, fork_tree, lines) + kernels.markdown(fork_kernels))
     if json_out is not None:
-        json_out.write_text(json.dumps({"model": str(model), "archs": report}, indent=1))
+        payload = {"model": str(model), "archs": report, "kernels": kernel_report}
+        json_out.write_text(json.dumps(payload, indent=1))
     return "\n".join(text)

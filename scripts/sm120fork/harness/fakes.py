@@ -17,8 +17,10 @@ All are generated at test-setup time into a scratch directory (never committed):
   NVML_ERROR_DRIVER_NOT_LOADED, so every NVML user takes its no-NVML path, as on a
   machine without a driver, and sglang falls back to torch.cuda (faked). Only while
   ``SM120_GATE_NVML_TOPOLOGY`` is set (by the ``pcie_allreduce`` probe, around one
-  call) does it answer as a host of ``SM120_GATE_NVML_COUNT`` GPUs: the GPU-to-GPU
-  links (``nvmlDeviceGetP2PStatus``) of that topology, and the faked capability.
+  call, and by the doctor's tests) does it answer as a host of ``SM120_GATE_NVML_COUNT``
+  GPUs: the GPU-to-GPU links (``nvmlDeviceGetP2PStatus``, the common ancestor) of that
+  topology, the faked capability, and the name, memory, power and driver versions the
+  doctor reads (``SM120_GATE_SMI_*`` and ``SM120_GATE_NVML_*``).
 * ``nvidia-smi``: ``get_nvgpu_memory_capacity`` and ``get_device_sm_nvidia_smi`` run
   it. The fake answers ``--query-gpu=`` with the architecture's values, read from
   ``SM120_GATE_SMI_*`` environment variables the runner sets per child.
@@ -159,6 +161,54 @@ int nvmlDeviceGetP2PStatus(void *a, void *b, int caps, int *status) {{
   else if (!strcmp(t, "pcie"))
     *status = caps == {NVML_P2P_CAPS_INDEX_NVLINK} ? {NVML_P2P_STATUS_NOT_SUPPORTED} : 0;
   else *status = {NVML_P2P_STATUS_NOT_SUPPORTED};
+  return 0;
+}}
+/* What the doctor (sglang/sm120_doctor/nvml.py) reads besides the links. */
+static const char *env_or(const char *name, const char *fallback) {{
+  const char *v = getenv(name);
+  return (v && *v) ? v : fallback;
+}}
+static int copy_text(const char *text, char *out, unsigned length) {{
+  if (strlen(text) + 1 > length) return 7;  /* NVML_ERROR_INSUFFICIENT_SIZE */
+  strcpy(out, text);
+  return 0;
+}}
+int nvmlSystemGetDriverVersion(char *out, unsigned length) {{
+  if (!topology()) return 1;
+  return copy_text(env_or("SM120_GATE_NVML_DRIVER", "580.95.05"), out, length);
+}}
+int nvmlSystemGetCudaDriverVersion_v2(int *version) {{
+  if (!topology()) return 1;
+  *version = (int)strtol(env_or("SM120_GATE_NVML_CUDA", "13000"), 0, 10);
+  return 0;
+}}
+int nvmlDeviceGetName(void *device, char *out, unsigned length) {{
+  if (!topology()) return 1;
+  return copy_text(env_or("SM120_GATE_SMI_NAME", "NVIDIA GPU"), out, length);
+}}
+int nvmlDeviceGetMemoryInfo(void *device, unsigned long long *memory) {{
+  if (!topology()) return 1;
+  memory[0] = strtoull(env_or("SM120_GATE_SMI_MEMORY_MIB", "0"), 0, 10) << 20;
+  memory[1] = memory[0];
+  memory[2] = 0;
+  return 0;
+}}
+static int watts(const char *name, const char *fallback, unsigned *milliwatts) {{
+  if (!topology()) return 1;
+  *milliwatts = (unsigned)strtoul(env_or(name, fallback), 0, 10) * 1000;
+  return 0;
+}}
+int nvmlDeviceGetPowerManagementLimit(void *device, unsigned *mw) {{
+  return watts("SM120_GATE_NVML_POWER_LIMIT_W", "600", mw);
+}}
+int nvmlDeviceGetPowerUsage(void *device, unsigned *mw) {{
+  return watts("SM120_GATE_NVML_POWER_DRAW_W", "30", mw);
+}}
+int nvmlDeviceGetTopologyCommonAncestor(void *a, void *b, int *level) {{
+  const char *t = topology();
+  if (!t) return 1;
+  /* NVLinked boards share a switch (PIX); PCIe peers a host bridge (PHB); else SYS */
+  *level = !strcmp(t, "nvlink") ? 10 : !strcmp(t, "pcie") ? 30 : 50;
   return 0;
 }}
 int nvmlDeviceGetCudaComputeCapability(void *device, int *major, int *minor) {{

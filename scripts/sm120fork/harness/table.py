@@ -21,6 +21,10 @@ Observations = Mapping[str, Mapping[str, Observation]]
 
 NULL = "null"
 RAISES = "raises:"
+# "warns:<substring>": exactly one of the WARNING records in a `log.warnings` cell
+# (child.py joins them with LOG_SEP) holds the substring: a fallback warns once.
+WARNS = "warns:"
+LOG_SEP = " | "
 MISSING = "<missing>"
 # Observed values that say the harness could not see the decision: a probe whose
 # gate the release does not offer ("unavailable:<why>", child_probes.py) or a
@@ -148,6 +152,10 @@ def matches(expected: Cell, observed: Cell | Raised) -> bool:
         return isinstance(observed, Raised) and expected[len(RAISES) :].strip() in observed.message
     if isinstance(observed, Raised):
         return False
+    if isinstance(expected, str) and expected.startswith(WARNS):
+        wanted = expected[len(WARNS) :].strip()
+        records = observed.split(LOG_SEP) if isinstance(observed, str) else []
+        return sum(wanted in record for record in records) == 1
     if expected == NULL:
         return observed is None
     return type(expected) is type(observed) and expected == observed

@@ -70,6 +70,7 @@ def build_wheels(
                     patches=stack.patches,
                     info=info,
                     date_time=date_time,
+                    known_bad=_known_bad(paths),
                 )
                 out.flush()
                 os.fsync(out.fileno())
@@ -98,6 +99,16 @@ def _temporary(directory: Path, name: str) -> Path:
         fd, path = create_temporary(directory, name, suffix=".tmp")
         os.close(fd)
     return path
+
+
+def _known_bad(paths: RepoPaths) -> bytes | None:
+    table = paths.patches_dir / "known-bad.toml"
+    try:
+        return table.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise FatalError(f"cannot read {table}: {error.strerror}") from error
 
 
 def _source_date_epoch(default: int) -> int:

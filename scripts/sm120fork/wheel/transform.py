@@ -6,6 +6,8 @@ wheel's own members, which must equal vendor/sglang for every file a patch
 touches. Unchanged members are copied with their compressed bytes; the
 dist-info (and any .data directory) is renamed to the fork version, METADATA
 is rewritten, the patch list is added and RECORD is computed anew, last.
+When the series adds the doctor, its known-bad table and console script come too
+(wheel/doctor.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from sm120fork.patches.applier import Overlay, apply_patch
 from sm120fork.patches.patchfile import PatchFile
 from sm120fork.upstream import record as upstream_record
 from sm120fork.upstream.archive import safe_member_path
-from sm120fork.wheel import record
+from sm120fork.wheel import doctor, record
 from sm120fork.wheel.metadata import PATCHES_FILE, ForkInfo, fork_metadata, patches_json
 from sm120fork.wheel.zipfiles import DateTime, Member, RawZip, ZipWriter, deflate
 
@@ -94,12 +96,23 @@ def fork_wheel(
     patches: tuple[PatchFile, ...],
     info: ForkInfo,
     date_time: DateTime,
+    known_bad: bytes | None = None,
 ) -> Transformed:
     """Write the fork of `upstream_wheel` (the bytes of file `upstream_name`) to `out`."""
     upstream = _Upstream(RawZip(upstream_wheel, upstream_name))
     old_prefix = _check_dist_info(upstream, info)
     new_prefix = f"{old_prefix.rsplit('-', 1)[0]}-{info.version}"
     changes = _apply(upstream, vendor, patches)
+    with_doctor = doctor.ships(changes)
+    if with_doctor:
+        for name, data in doctor.known_bad_member(known_bad).items():
+            if name in upstream.by_name or name in changes:
+                raise FatalError(
+                    f"{name} is already in the wheel; the fork adds it from "
+                    f"{doctor.KNOWN_BAD_SOURCE}: remove it from the series"
+                )
+            changes[name] = data
+    entry_points = f"{upstream.dist_info}/entry_points.txt"
 
     def renamed(name: str) -> str:
         top, _, rest = name.partition("/")
@@ -133,12 +146,18 @@ def fork_wheel(
             new = changes[name]
             if new is not None:
                 write(name, deflate(new, date_time, executable=member.executable), new)
+        elif name == entry_points and with_doctor:
+            text = doctor.entry_points(data, f"{upstream.archive.name}: {name}")
+            write(renamed(name), deflate(text, date_time), text)
         elif name == f"{upstream.dist_info}/METADATA":
             metadata = fork_metadata(data, info, f"{upstream.archive.name}: {name}")
             write(renamed(name), deflate(metadata, date_time), metadata)
         else:
             write(renamed(name), member, data, hash_)
     write_added()
+    if with_doctor and entry_points not in upstream.by_name:
+        text = doctor.entry_points(None, entry_points)
+        write(f"{new_prefix}.dist-info/entry_points.txt", deflate(text, date_time), text)
     listing = patches_json(info)
     write(f"{new_prefix}.dist-info/{PATCHES_FILE}", deflate(listing, date_time), listing)
     record_name = f"{new_prefix}.dist-info/RECORD"
