@@ -4,6 +4,7 @@ description (the upstream watch posts it), rendered from the `Report` record."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -26,7 +27,24 @@ def write(directory: Path, report: Report) -> tuple[Path, Path]:
             md_path: markdown(report).encode("utf-8"),
         }
     )
+    workflow_outputs(report)
     return json_path, md_path
+
+
+def workflow_outputs(report: Report) -> None:
+    """In a GitHub workflow ($GITHUB_OUTPUT set): how the rebase ended, as the step's
+    outputs `result`, `to` and `conflicts` (nox turns every failure into exit 1, so the
+    upstream watch reads these), and a refusal as an error annotation."""
+    target = os.environ.get("GITHUB_OUTPUT")
+    if not target:
+        return
+    conflicts = sum(1 for patch in report.patches if patch.status == "conflict")
+    with open(target, "a", encoding="utf-8") as handle:
+        handle.write(f"result={report.result}\nto={report.to}\nconflicts={conflicts}\n")
+    if report.error is not None:
+        print(f"::error::the rebase refused: {report.error}", flush=True)
+    else:
+        print(f"rebase outcome: {report.result} (sglang {report.to})", flush=True)
 
 
 # GitHub refuses a pull-request body over 65536 characters; the upstream watch uses
