@@ -71,6 +71,9 @@ class Report:
     walk: tuple[Release, ...] | None = None  # with --step, once the gates are compared
     work_tree: str | None = None  # stopped on a conflict: where a person resolves it
     error: str | None = None  # bad input: the one line the command printed
+    # Landed: the intents that no longer reproduce their patch, (patch, why): `check`
+    # names them until a person re-derives them (rebase/landintents.py).
+    stale_intents: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> JsonObject:
         """report.json, keys in the order docs/contract.md shows them."""
@@ -90,6 +93,8 @@ class Report:
             data["work_tree"] = self.work_tree
         if self.error is not None:
             data["error"] = self.error
+        if self.stale_intents:
+            data["stale_intents"] = [{"patch": n, "why": w} for n, w in self.stale_intents]
         return data
 
     @staticmethod
@@ -109,6 +114,10 @@ class Report:
             releases=None if releases is None else jsondata.texts(data, "releases"),
             work_tree=jsondata.optional_text(data, "work_tree"),
             error=jsondata.optional_text(data, "error"),
+            stale_intents=tuple(
+                (jsondata.text(jsondata.obj(s), "patch"), jsondata.text(jsondata.obj(s), "why"))
+                for s in jsondata.array(data.get("stale_intents", []))
+            ),
         )
 
     def summary_line(self) -> str:

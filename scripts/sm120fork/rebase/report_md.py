@@ -88,6 +88,7 @@ def _markdown(report: Report, listed: int | None) -> str:
     ]
     lines += _walk_markdown(report.walk)
     lines += _conflicts_markdown(report)
+    lines += _stale_markdown(report.stale_intents)
     lines += ["", "## Gates", ""]
     if report.result == "conflict":
         return "\n".join([*lines, "Compared when the rebase completes.", ""])
@@ -130,6 +131,18 @@ def _conflicts_markdown(report: Report) -> list[str]:
             if c.base:
                 lines += ["Before both, in the old upstream:", "", *_fenced(c.base), ""]
     return lines
+
+
+def _stale_markdown(stale: tuple[tuple[str, str], ...]) -> list[str]:
+    if not stale:
+        return []
+    lines = ["", "## Intents for a person", ""]
+    lines += [
+        "These recipes in `patches/intents.toml` no longer reproduce their landed patch; "
+        "they are marked `stale` (`check` names them) until a person re-derives them:",
+        "",
+    ]
+    return lines + [f"- `{name}`: {why}" for name, why in stale]
 
 
 def _walk_markdown(walk: tuple[Release, ...] | None) -> list[str]:
