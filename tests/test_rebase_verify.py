@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hermetic import git
+from hermetic import output as git_output
 from sm120fork.harness import table
 from sm120fork.patches.patchfile import parse_patch
 from sm120fork.rebase import decisionenv, verdicts
@@ -145,3 +147,27 @@ def test_no_pins_or_no_venv_is_a_reason_not_a_pass(cache: Path) -> None:
         decisionenv.find(cache / "fork", "0.5.24", _release(cache, "0.5.24", None))
     with pytest.raises(decisionenv.NoDecisionEnv, match="forbids installing"):
         decisionenv.find(cache / "fork", "0.5.25", _release(cache, "0.5.25", ["torch==0.1"]))
+
+
+def test_pins_are_read_from_the_tag_the_rebase_was_given(tmp_path: Path) -> None:
+    """A git release's pins come from its tag's python/pyproject.toml (nothing is
+    downloaded); a tag without one records none, and `find` then gives the reason."""
+    work = tmp_path / "src"
+    (work / "python").mkdir(parents=True)
+    pyproject = '[project]\ndependencies = ["torch==2.14.1", "x; extra == \'y\'"]\n'
+    (work / "python" / "pyproject.toml").write_text(pyproject)
+    git("init", "-q", ".", cwd=work)
+    git("add", "-A", ".", cwd=work)
+    git("commit", "-q", "-m", "release", cwd=work)
+    release = tmp_path / "release"
+    bare = release / "upstream.git"  # where the fetch leaves the repository it fetched
+    git("clone", "-q", "--bare", str(work), str(bare), cwd=tmp_path)
+    commit = git_output("rev-parse", "HEAD", cwd=work)
+    decisionenv.record_pins(release, None, commit)
+    assert (release / decisionenv.PINS_FILE).read_text() == "torch==2.14.1\n"
+    git("rm", "-q", "python/pyproject.toml", cwd=work)
+    git("commit", "-q", "-m", "no pins", cwd=work)
+    git("fetch", "-q", str(work), "HEAD", cwd=bare)
+    (release / decisionenv.PINS_FILE).unlink()
+    decisionenv.record_pins(release, None, git_output("rev-parse", "HEAD", cwd=work))
+    assert not (release / decisionenv.PINS_FILE).exists()
