@@ -87,6 +87,22 @@ def test_a_changed_cell_of_another_architecture_stops() -> None:
     assert 'sm90: upstream "fa3", patched "triton"' in verdict.reason
 
 
+def test_a_change_of_another_architecture_that_its_row_records_is_verified() -> None:
+    """The b12x runner refuses its SM12x-only flag elsewhere: the row says so there."""
+    recorded = row(sm90="raises:b12x is SM12x only", sm100="trtllm", sm120="b12x", sm121="b12x")
+    refused = seen(
+        sm90={"error": "ValueError: b12x is SM12x only"}, sm100="trtllm", sm120="b12x", sm121="b12x"
+    )
+    accepted = seen(sm90="b12x", sm100="trtllm", sm120="fa3", sm121="fa3")
+    observed = (accepted, refused, None)
+    judged = verdicts.after_carry("0.5.24", [recorded], observed, SM12X, OTHERS)  # type: ignore[arg-type]
+    assert judged.ok, judged
+    unrecorded = seen(sm90="fa3", sm100="fa3", sm120="b12x", sm121="b12x")
+    observed = (accepted, unrecorded, None)
+    judged = verdicts.after_carry("0.5.24", [recorded], observed, SM12X, OTHERS)  # type: ignore[arg-type]
+    assert (judged.ok, judged.kind) == (False, "other architectures"), judged
+
+
 def test_a_refusal_whose_case_upstream_now_resolves_otherwise_is_for_review() -> None:
     refusal = table.Row(1, "s", "backend", None, PATCH, {"sm120": "raises:not supported"})
     refused = seen(sm120={"error": "ValueError: not supported on SM12x"})

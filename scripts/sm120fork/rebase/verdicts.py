@@ -3,7 +3,9 @@
 Pure judgement over observations already made: the pristine new release, the
 patched new release (the series carried onto it) and, for refusals, the pristine
 release before. Only the SM12x cells speak for a patch; on every other
-architecture the patched release must give exactly what the pristine one does.
+architecture the patched release must give exactly what the pristine one does,
+unless the row's cell there records the patch's own change (a refusal of an
+SM12x-only flag elsewhere) and the patched release meets it.
 
 - `upstreamed`: the pristine release already gives every SM12x cell (a cell that
   expects the patch's own refusal is met by upstream refusing at the same point
@@ -124,6 +126,7 @@ def after_carry(
         for row in rows
         for arch in others
         if _value(patched, row, arch) != _value(pristine, row, arch)
+        and not all(c.ok for c in cells(row, patched, [arch]))  # not the table's own change
     ]
     if changed:
         shown = "; ".join(
