@@ -39,6 +39,7 @@ class Table:
     rows: tuple[table.Row, ...]
     archs: tuple[str, ...]  # every architecture of archs.toml
     sm12x: tuple[str, ...]  # those of capability major 12: the ones a patch changes
+    untested: Mapping[str, str]  # patch -> why no row can observe it ([[untested]])
 
     def of(self, patch: str) -> list[table.Row]:
         return [row for row in self.rows if row.patch == patch]
@@ -51,8 +52,9 @@ def load(fork_root: Path) -> Table | None:
         return None
     archs = spec.load_archs(folder / "archs.toml")
     names = tuple(a.name for a in archs)
-    rows = table.load_table(names, folder / "expectations.toml").rows
-    return Table(rows, names, tuple(a.name for a in archs if a.capability[0] == 12))
+    loaded = table.load_table(names, folder / "expectations.toml")
+    sm12x = tuple(a.name for a in archs if a.capability[0] == 12)
+    return Table(loaded.rows, names, sm12x, loaded.untested)
 
 
 class Observer:

@@ -97,7 +97,8 @@ def verify_release(
     with_rows = [i for i in carried if found.of(state.patches[i].name)]
     for index in carried:
         if index not in with_rows:  # the table lists why, or `check` refuses the series
-            state = _verified(state, index, "no gate-table row names it, so nothing verified it")
+            why = found.untested.get(state.patches[index].name, "no gate-table row names it")
+            state = _verified(state, index, f"not verified: untested by rows ({why})")
     if not with_rows:
         return state
     observer, why = _observer(workspace, repo, version)
