@@ -95,11 +95,11 @@ def test_a_change_of_another_architecture_that_its_row_records_is_verified() -> 
     )
     accepted = seen(sm90="b12x", sm100="trtllm", sm120="fa3", sm121="fa3")
     observed = (accepted, refused, None)
-    judged = verdicts.after_carry("0.5.24", [recorded], observed, SM12X, OTHERS)  # type: ignore[arg-type]
+    judged = verdicts.after_carry("0.5.24", [recorded], observed, SM12X, OTHERS)
     assert judged.ok, judged
     unrecorded = seen(sm90="fa3", sm100="fa3", sm120="b12x", sm121="b12x")
     observed = (accepted, unrecorded, None)
-    judged = verdicts.after_carry("0.5.24", [recorded], observed, SM12X, OTHERS)  # type: ignore[arg-type]
+    judged = verdicts.after_carry("0.5.24", [recorded], observed, SM12X, OTHERS)
     assert (judged.ok, judged.kind) == (False, "other architectures"), judged
 
 
@@ -108,11 +108,11 @@ def test_a_refusal_whose_case_upstream_now_resolves_otherwise_is_for_review() ->
     refused = seen(sm120={"error": "ValueError: not supported on SM12x"})
     now, then = seen(sm120="flashinfer_sparse_mla"), seen(sm120="nsa")
     observed = (now, refused, then)
-    verdict = verdicts.after_carry("0.5.19", [refusal], observed, ("sm120",), ())  # type: ignore[arg-type]
+    verdict = verdicts.after_carry("0.5.19", [refusal], observed, ("sm120",), ())
     assert (verdict.ok, verdict.kind) == (False, "review"), verdict
     assert 'now "flashinfer_sparse_mla", before "nsa"' in verdict.reason
     unchanged = (then, refused, then)
-    assert verdicts.after_carry("0.5.19", [refusal], unchanged, ("sm120",), ()).ok  # type: ignore[arg-type]
+    assert verdicts.after_carry("0.5.19", [refusal], unchanged, ("sm120",), ()).ok
 
 
 def _venv(root: Path, requires: list[str]) -> Path:
