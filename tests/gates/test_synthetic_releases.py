@@ -139,6 +139,9 @@ def _run(cwd: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
 class Rebase:
     fork: Path
     home: Path
+    dry_code: int = 0  # how `rebase v0.5.24 --dry-run` exited, first
+    dry: dict[str, object] = field(default_factory=dict)
+    dry_output: str = ""
     code: int = 0  # how `rebase v0.5.24` exited
     report: dict[str, object] = field(default_factory=dict)  # where it ended
     output: str = ""
@@ -163,6 +166,8 @@ def rebased(tmp: Path, edit: Callable[[Path], None]) -> Rebase:
     home.mkdir()
     upstream = synthetic.cut_releases(tmp, home, [("v0.5.23", None), ("v0.5.24", edit)])
     state = Rebase(synthetic.fork_checkout(tmp, home), home)
+    dry = state.tool("rebase", "v0.5.24", "--dry-run", "--upstream-git", upstream.as_uri())
+    state.dry_code, state.dry, state.dry_output = dry.returncode, _report(state.fork), dry.stderr
     ran = state.tool("rebase", "v0.5.24", "--upstream-git", upstream.as_uri())
     state.code, state.report, state.output = (
         ran.returncode,
@@ -257,6 +262,21 @@ def test_a_patch_upstream_made_dead_code_stops_the_rebase(rebase: Rebase) -> Non
     assert "carried (clean, by exact), then stopped: dead code on 0.5.24" in detail, detail
     cell = 'llama_dense_tp1:modelopt_quant.nvfp4_moe_runner_backend sm120: expected "marlin"'
     assert cell in detail, detail
+
+
+def test_a_dry_run_predicts_the_same_stop(rebase: Rebase) -> None:
+    """The held-out releases were first fed through `--dry-run`: it goes on past the
+    stop, so the patches after it are predicted, not pending."""
+    assert (rebase.dry_code, rebase.dry["result"]) == (1, "dry-run"), rebase.dry_output
+    stopped = _status(rebase.dry, AUTO_MARLIN)
+    assert stopped["status"] == "conflict", stopped
+    assert "then stopped: dead code on 0.5.24" in str(stopped["detail"]), stopped
+    assert (_status(rebase.dry, OLMO2)["status"], _status(rebase.dry, EXAONE)["status"]) == (
+        "upstreamed",
+        "resolved",
+    )
+    statuses = [p["status"] for p in rebase.dry["patches"]]  # type: ignore[attr-defined]
+    assert "pending" not in statuses and statuses.count("conflict") == 1, statuses
 
 
 def test_after_landing_the_fork_is_consistent(rebase: Rebase) -> None:

@@ -4,13 +4,18 @@ The rows are gatetable/expectations.toml's, read by the harness's own parser
 (sm120fork.harness.table). A commit's tree is archived once next to the work
 repository (`verify/trees/<commit>/python`) and observed by the harness
 (`observe --tree LABEL=DIR ...`, several trees in one matrix) run by the decision
-environment's python from the fork's root; each commit's observations are kept
-per environment and scenario (`verify/observed/`), so a scenario is run once per
-tree and environment however many patches' rows read it.
+environment's python from the fork's root. Observations are kept in the fork's
+build/rebase-observed/ (a rebase starts by clearing build/rebase/), named by what
+decides them: the commit's `python/` tree id, the environment (its path and
+pins), the tool's source and the gate data the harness reads (archs, scenarios,
+model configs). So a scenario runs once per tree however many patches' rows read
+it, and a dry run's observations serve the rebase that follows it (the upstream
+watch runs both).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -23,7 +28,7 @@ from typing import Any
 
 from sm120fork.errors import FatalError
 from sm120fork.harness import spec, table
-from sm120fork.rebase.decisionenv import DecisionEnv
+from sm120fork.rebase.decisionenv import DecisionEnv, installed_pins
 from sm120fork.rebase.workrepo import WorkRepo
 
 Observations = Mapping[str, Mapping[str, Mapping[str, Any]]]  # arch -> scenario -> fields
@@ -57,12 +62,33 @@ def load(fork_root: Path) -> Table | None:
     return Table(loaded.rows, names, sm12x, loaded.untested)
 
 
-class Observer:
-    """Observes commits of `repo` in one decision environment, keeping every result."""
+def inputs_digest(env: DecisionEnv, fork_root: Path) -> str:
+    """What decides an observation besides the tree: the environment, the tool's
+    source (the harness and what it imports) and the fork's gate data."""
+    digest = hashlib.sha256(f"{env.python}\n{installed_pins(env.venv)}\n".encode())
+    tool = Path(__file__).resolve().parents[1]
+    table_dir = fork_root / "gatetable"
+    files = [
+        *sorted(tool.rglob("*.py")),
+        table_dir / "archs.toml",
+        table_dir / "scenarios.toml",
+        *sorted(p for p in (table_dir / "models").rglob("*") if p.is_file()),
+    ]
+    for path in files:
+        digest.update(f"{path.relative_to(path.anchor)}\n".encode())
+        digest.update(path.read_bytes() if path.is_file() else b"-")
+    return digest.hexdigest()[:16]
 
-    def __init__(self, repo: WorkRepo, env: DecisionEnv, fork_root: Path) -> None:
+
+class Observer:
+    """Observes commits of `repo` in one decision environment, keeping every result
+    in `kept` (named by the tree and `inputs_digest`)."""
+
+    def __init__(self, repo: WorkRepo, env: DecisionEnv, fork_root: Path, kept: Path) -> None:
         self.repo, self.env, self.fork_root = repo, env, fork_root
         self.area = repo.root.parent / "verify"
+        self.kept = kept / inputs_digest(env, fork_root)
+        self._trees: dict[str, str] = {}
 
     def observe(
         self, commits: Sequence[str], scenarios: Sequence[str], archs: Sequence[str]
@@ -78,7 +104,9 @@ class Observer:
         return {c: self._read(c, scenarios, archs) for c in dict.fromkeys(commits)}
 
     def _kept(self, commit: str, arch: str, scenario: str) -> Path:
-        return self.area / "observed" / self.env.venv.name / commit / arch / f"{scenario}.json"
+        if commit not in self._trees:
+            self._trees[commit] = self.repo.out("rev-parse", f"{commit}:python")
+        return self.kept / self._trees[commit] / arch / f"{scenario}.json"
 
     def _read(self, commit: str, scenarios: Sequence[str], archs: Sequence[str]) -> Observations:
         return {

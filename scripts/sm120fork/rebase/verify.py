@@ -48,7 +48,8 @@ def _observer(
         env = decisionenv.find(workspace.paths.root, version, workspace.release_dir(version), say)
     except FatalError as error:
         return None, error.message
-    return gaterows.Observer(repo, env, workspace.paths.root), env.why
+    kept = workspace.paths.rebase_dir.with_name("rebase-observed")  # outlives a rebase
+    return gaterows.Observer(repo, env, workspace.paths.root, kept), env.why
 
 
 def drop_upstreamed(workspace: Workspace, repo: WorkRepo, state: RebaseState) -> RebaseState:
