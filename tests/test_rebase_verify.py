@@ -11,7 +11,7 @@ from hermetic import git
 from hermetic import output as git_output
 from sm120fork.harness import table
 from sm120fork.patches.patchfile import parse_patch
-from sm120fork.rebase import decisionenv, verdicts
+from sm120fork.rebase import decisionenv, gaterows, verdicts
 
 SM12X = ("sm120", "sm121")
 OTHERS = ("sm90", "sm100")
@@ -187,3 +187,21 @@ def test_pins_are_read_from_the_tag_the_rebase_was_given(tmp_path: Path) -> None
     (release / decisionenv.PINS_FILE).unlink()
     decisionenv.record_pins(release, None, git_output("rev-parse", "HEAD", cwd=work))
     assert not (release / decisionenv.PINS_FILE).exists()
+
+
+def test_kept_observations_are_named_by_what_decides_them(tmp_path: Path) -> None:
+    """A change to the gate data the harness reads, or to the environment's pins,
+    names a new place for the observations: none made before it is reused."""
+    fork = tmp_path / "fork"
+    (fork / "gatetable" / "models").mkdir(parents=True)
+    for name in ("archs.toml", "scenarios.toml", "models/m.json"):
+        (fork / "gatetable" / name).write_text("a")
+    env = decisionenv.DecisionEnv(_venv(tmp_path / "venv", ["torch==2.14.1"]) / "bin/python", "")
+    first = gaterows.inputs_digest(env, fork)
+    assert gaterows.inputs_digest(env, fork) == first
+    (fork / "gatetable" / "models" / "m.json").write_text("b")
+    second = gaterows.inputs_digest(env, fork)
+    assert second != first
+    metadata = next((tmp_path / "venv").glob("lib/*/site-packages/sglang-*/METADATA"))
+    metadata.write_text(metadata.read_text().replace("torch==2.14.1", "torch==2.15.0"))
+    assert gaterows.inputs_digest(env, fork) not in (first, second)
