@@ -5,10 +5,13 @@
     the patch, and the patch's rows verify it on the patched release;
 (c) fixes the Olmo2 decision with other code: the patch's rows pass on the pristine
     release, so it is upstreamed with them as evidence;
-(d) decides the NVFP4 MoE runner for SM12x before the patched branch is reached:
+(d) decides the NVFP4 MoE runner for SM12x itself, after the patched branch:
     `sm120-nvfp4-moe-auto-marlin.patch` still applies as text, but its rows fail
-    as on the pristine release, so the rebase stops at it as dead code.
-Then `--drop` lets the rebase land, and `check` passes on the landed fork. Case
+    as on the pristine release, so the rebase stops at it as dead code; and
+    `sm120-moe-runner-fit.patch` still refuses cases upstream now resolves
+    otherwise than 0.5.23 did, so the rebase stops there for a person's review.
+A `--dry-run` first predicts both stops. `--drop` of the dead code, then
+`--continue` past the review, land the rest, and `check` passes at once. Case
 (b), upstream moving a patched function to another module, is a release of the
 walk in test_intent_rebase.py: each rebase of a whole fork costs minutes.
 
@@ -81,6 +84,7 @@ OLMO2_UPSTREAM = """\
                 )
 """
 AUTO_MARLIN = "sm120-nvfp4-moe-auto-marlin.patch"
+MOE_FIT = "sm120-moe-runner-fit.patch"
 MODELOPT = Path("python/sglang/srt/layers/quantization/modelopt_quant.py")
 NVFP4_DEFAULT = """\
                 moe_runner_backend = MoeRunnerBackend.FLASHINFER_TRTLLM
@@ -145,7 +149,10 @@ class Rebase:
     code: int = 0  # how `rebase v0.5.24` exited
     report: dict[str, object] = field(default_factory=dict)  # where it ended
     output: str = ""
-    landed_code: int = 0  # how the `--drop` of the patch it stopped at exited
+    review_code: int = 0  # how the `--drop` of the dead code exited (stopped for review)
+    review: dict[str, object] = field(default_factory=dict)
+    review_output: str = ""
+    landed_code: int = 0  # how the `--continue` past the review exited
     landed: dict[str, object] = field(default_factory=dict)
     landed_output: str = ""
 
@@ -159,9 +166,10 @@ def _report(fork: Path) -> dict[str, object]:
 
 
 def rebased(tmp: Path, edit: Callable[[Path], None]) -> Rebase:
-    """`rebase v0.5.24` onto `edit`ed 0.5.23; where it stops, `--drop` the patch it
-    stopped at, to land it. Each test asserts what it is about (a mutation of the
-    tool fails the tests it breaks, not the fixture)."""
+    """`rebase v0.5.24 --dry-run`, then `rebase v0.5.24`, onto `edit`ed 0.5.23; where
+    it stops, `--drop` the dead code, then `--continue` past the review, to land it.
+    Each test asserts what it is about (a mutation of the tool fails the tests it
+    breaks, not the fixture)."""
     home = tmp / "home"
     home.mkdir()
     upstream = synthetic.cut_releases(tmp, home, [("v0.5.23", None), ("v0.5.24", edit)])
@@ -174,11 +182,17 @@ def rebased(tmp: Path, edit: Callable[[Path], None]) -> Rebase:
         _report(state.fork),
         ran.stdout + ran.stderr,
     )
-    state.landed_code, state.landed, state.landed_output = state.code, state.report, state.output
+    state.review_code, state.review, state.review_output = state.code, state.report, state.output
     if state.code == 1:
         dropped = state.tool("rebase", "--drop", "upstream decides SM12x first")
-        state.landed_code, state.landed = dropped.returncode, _report(state.fork)
-        state.landed_output = dropped.stdout + dropped.stderr
+        state.review_code, state.review = dropped.returncode, _report(state.fork)
+        state.review_output = dropped.stdout + dropped.stderr
+    state.landed_code, state.landed = state.review_code, state.review
+    state.landed_output = state.review_output
+    if state.review_code == 1:
+        kept = state.tool("rebase", "--continue", "--note", "the refusal still holds")
+        state.landed_code, state.landed = kept.returncode, _report(state.fork)
+        state.landed_output = kept.stdout + kept.stderr
     return state
 
 
@@ -275,8 +289,20 @@ def test_a_dry_run_predicts_the_same_stop(rebase: Rebase) -> None:
         "upstreamed",
         "resolved",
     )
-    statuses = [p["status"] for p in rebase.dry["patches"]]  # type: ignore[attr-defined]
-    assert "pending" not in statuses and statuses.count("conflict") == 1, statuses
+    stops = {p["name"] for p in rebase.dry["patches"] if p["status"] == "conflict"}  # type: ignore[attr-defined]
+    pending = [p["name"] for p in rebase.dry["patches"] if p["status"] == "pending"]  # type: ignore[attr-defined]
+    assert (stops, pending) == ({AUTO_MARLIN, MOE_FIT}, []), rebase.dry_output
+
+
+def test_a_refusal_upstream_now_resolves_otherwise_stops_for_a_person(rebase: Rebase) -> None:
+    """(d) also changes how upstream resolves a case the MoE-fit patch refuses: after the
+    dead code is dropped, the rebase stops there with both resolutions."""
+    assert (rebase.review_code, rebase.review["result"]) == (1, "conflict"), rebase.review_output
+    stopped = _status(rebase.review, MOE_FIT)
+    detail = str(stopped["detail"])
+    assert stopped["status"] == "conflict", stopped
+    assert "it still refuses where upstream 0.5.24 now resolves the case otherwise" in detail
+    assert 'upstream now "flashinfer_cutlass", before "flashinfer_trtllm"' in detail, detail
 
 
 def test_after_landing_the_fork_is_consistent(rebase: Rebase) -> None:
@@ -287,6 +313,8 @@ def test_after_landing_the_fork_is_consistent(rebase: Rebase) -> None:
     untested = table.load_table([a.name for a in spec.load_archs()]).untested
     unverified = [p["name"] for p in carried if not str(p["verified"]).startswith("verified")]
     assert set(unverified) == set(untested), unverified  # each says why: the table's reason
+    kept = _status(rebase.landed, MOE_FIT)
+    assert str(kept["verified"]).startswith("verified by a person (`--continue`)"), kept
     series = (rebase.fork / "patches" / "series").read_text()
     assert OLMO2 not in series and AUTO_MARLIN not in series, series
     check = rebase.tool("check")

@@ -10,7 +10,9 @@ stops the rebase at that patch, whatever strategy carried it. The patches after 
 go back to where the release began (the state keeps that snapshot), and the
 stopped patch's carried change is left in the work tree for a person, uncommitted
 on the patches before it, as for a conflict: `--continue` takes it as edited,
-`--drop` drops it, and the release is verified again once carried.
+`--drop` drops it, and the release is verified again once carried (a refusal
+stopped for review that the person continued is theirs: it does not stop again;
+failing rows still do).
 
 The rows run in the release's decision environment (decisionenv.py); where none
 can be had, the rebase stops at the first patch with rows and says why, never a
@@ -120,7 +122,10 @@ def verify_release(
     for index in with_rows:
         verdict = verdicts.after_carry(version, rows[index], observed, found.sm12x, others)
         said = f"{verdict.reason}; decided in {why}"
-        if verdict.ok:
+        reviewed = state.patches[index].steps[-1].strategy == fate.BY_HAND
+        if verdict.kind == "review" and reviewed:  # a person kept the refusal: settled
+            state = _verified(state, index, f"verified by a person (`--continue`): {said}")
+        elif verdict.ok:
             state = _verified(state, index, said)
         elif workspace.dry_run:  # predict the others as carried
             state = ledger.record(state, index, _stopped(state.patches[index], said))
