@@ -13,8 +13,6 @@ import tempfile
 from pathlib import Path
 
 import nox
-import nox.virtualenv
-from packaging.version import Version
 
 # Where the gate environment lives (standard library only; its install runs in a session).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
@@ -23,10 +21,6 @@ from sm120fork import gateenv
 nox.options.sessions = ["check", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
-# Every session uses the standard library's venv. nox still asks for uv while it picks
-# a backend and logs "uv binary not found." each time; where there is none, say so.
-if shutil.which("uv") is None:
-    nox.virtualenv.HAS_UV, nox.virtualenv.UV, nox.virtualenv.UV_VERSION = False, "uv", Version("0")
 
 PYTHON = "3.11"
 TOOL = ["python", "-m", "sm120fork"]

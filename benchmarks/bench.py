@@ -12,14 +12,17 @@ inventory of 0.5.23 seen before (vs `grep -rn`) and never seen (vs the
 of 0.5.9 and 0.5.23 (vs `wheel unpack` + `wheel pack`), the git boundary
 (GitPython and one `cat-file --batch`, vs the subprocess-a-command boundary before
 #18; see bench_git.py), and the test suite
-(only with --with-tests; otherwise the last measured value, marked so). Then
+(only with --with-tests; otherwise the last measured value, marked so), and, only
+with `--only rebase-verify` (it needs the gate environment), a warm rebase onto one
+synthetic release with every carried patch verified by its rows (rebase_verify.py). Then
 how apply, check and the rebase (onto a synthetic next release) grow with
 synthetic series of --sizes patches (check also at --check-sizes).
 
 Every side runs as fresh processes, ours and the baseline interleaved, after
 one untimed warm-up each (page cache, bytecode). Set-up (downloads through pip
 and its cache, imports, temp repos) is not timed. Writes
-build/bench/results.json and results.md and prints the Markdown. Exits 0
+build/bench/results.{json,md} and benchmarks/RESULTS.md (bench_results.py) and prints
+the Markdown. Exits 0
 whether or not a target is met: this is a measurement, not a test.
 """
 
@@ -43,9 +46,12 @@ import bench_git
 import bench_rebase_growth
 import bench_series
 import bench_upstream
-from bench_common import PROJECT, Row, describe, machine, row_from_json, table
+import rebase_verify
+from bench_common import PROJECT, Row, machine
+from bench_results import RESULTS_MD, render, results_file
 
-GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth")
+GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth", "rebase-verify")
+DEFAULT = [g for g in GROUPS if g != "rebase-verify"]  # needs the gate environment
 OUT = PROJECT / "build" / "bench"
 TESTS = OUT / "tests.json"
 
@@ -84,6 +90,9 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
     if "git" in chosen and bench_git.available():
         _say("git: the git boundary, GitPython vs the boundary before #18")
         rows.extend(bench_git.rows(args.runs))
+    if "rebase-verify" in chosen:
+        _say("rebase-verify: the fork onto a synthetic release, verified, in the gate env")
+        rows.append(rebase_verify.row(args.rebase_runs, sub("rebase-verify")))
     if "growth" in chosen:
         _say(f"growth: synthetic series of {args.sizes} patches")
         growth = bench_series.growth(args.runs, args.sizes, sub("growth"), args.check_sizes)
@@ -108,27 +117,6 @@ def previous_tests() -> dict[str, Any] | None:
     return found
 
 
-def render(info: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], runs: str) -> str:
-    parts = [
-        f"Measured {datetime.date.today()} on {describe(info)}; load average "
-        f"{info['load_1min_at_start']} at the start, {info.get('load_1min_at_end', '-')} at "
-        f"the end (1 min). {runs}; ratio = our median / "
-        "the baseline's median, both sides as fresh processes, interleaved.",
-        "",
-        table(rows),
-    ]
-    if growth:
-        parts += [
-            "",
-            "How apply, check and the rebase grow (synthetic series: one-line patches on "
-            "different real files of vendor/sglang, normal form; the rebase carries them "
-            "to a synthetic next release, bench_rebase_growth.py):",
-            "",
-            bench_series.growth_table(growth),
-        ]
-    return "\n".join(parts) + "\n"
-
-
 def _keep_tests(row: Row) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     TESTS.write_text(json.dumps(row.to_json(), indent=2) + "\n")
@@ -146,13 +134,19 @@ def tests_only() -> int:
         return 0
     kept = [r for r in old["rows"] if r.get("what") != row.what]
     old["rows"] = [*kept, row.to_json()]
-    rows = [row_from_json(r) for r in old["rows"]]
-    runs = f"Medians of {old['runs']} runs a side ({old['rebase_runs']} for the rebase)"
-    markdown = render(old["machine"], rows, old.get("growth", []), runs)
-    (OUT / "results.json").write_text(json.dumps(old, indent=2) + "\n")
-    (OUT / "results.md").write_text(markdown)
-    print(markdown)
+    old["command"] = f"{old.get('command', 'nox -s bench')}, then `nox -s bench -- --tests-only`"
+    _write(old)
     return 0
+
+
+def _write(results: dict[str, Any]) -> None:
+    """build/bench/results.{json,md}, and benchmarks/RESULTS.md from them."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    markdown = render(results)
+    (OUT / "results.md").write_text(markdown)
+    RESULTS_MD.write_text(results_file(results))
+    print(markdown)
 
 
 def main() -> int:
@@ -163,7 +157,7 @@ def main() -> int:
     parser.add_argument(
         "--check-sizes", type=int, nargs="*", default=[1000], help="sizes for check alone"
     )
-    parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS))
+    parser.add_argument("--only", nargs="+", choices=GROUPS, default=DEFAULT)
     parser.add_argument("--with-tests", action="store_true", help="also time `nox -s tests`")
     parser.add_argument(
         "--tests-only",
@@ -187,9 +181,8 @@ def main() -> int:
         rows.append(tests)
     elapsed = time.perf_counter() - started
     info["load_1min_at_end"] = round(os.getloadavg()[0], 2)
-    runs = f"Medians of {args.runs} runs a side ({args.rebase_runs} for the rebase)"
-    markdown = render(info, rows, growth, runs)
     results = {
+        "command": " ".join(["nox -s bench", *(["--", *sys.argv[1:]] if sys.argv[1:] else [])]),
         "date": datetime.date.today().isoformat(),
         "machine": info,
         "runs": args.runs,
@@ -199,13 +192,10 @@ def main() -> int:
         "rows": [row.to_json() for row in rows],
         "growth": growth,
     }
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    (OUT / "results.md").write_text(markdown)
-    print(markdown)
+    _write(results)
     print(
         f"benchmark wall time {elapsed:.0f} s ({measured:.0f} s without the test suite); "
-        f"results in {OUT / 'results.json'}"
+        f"results in {OUT / 'results.json'} and {RESULTS_MD}"
     )
     return 0
 

@@ -26,6 +26,7 @@ from typing import Any
 import bench_series
 import rebase_step
 from bench_common import PROJECT, Row, compare, run, tool, tool_env
+from sm120fork.patches.series import read_series
 
 OLD, NEW = "0.5.23", "0.5.24"
 MARK = "# sm120 bench: upstream {new}\n"
@@ -101,7 +102,7 @@ def by_hand(scratch: Path, remote: Path, fork: Path) -> float:
     work = scratch / "by-hand"
     shutil.rmtree(work, ignore_errors=True)
     patches = fork / "patches"
-    names = (patches / "series").read_text().split()
+    names = read_series(patches / "series").names
     start = time.perf_counter()
     rebase_step.git(scratch, "clone", "-q", "--no-checkout", remote.as_uri(), str(work))
     rebase_step.git(work, "checkout", "-q", f"v{OLD}")

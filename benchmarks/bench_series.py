@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import PROJECT, Row, compare, fresh, repeat, run, timed, tool, tool_env
+from sm120fork.patches.series import read_series
 
 VENDOR = PROJECT / "vendor"
 APPLY_TARGET = 1.0  # ours / `cp -a` + `quilt push -a`, at every size
@@ -63,7 +64,7 @@ def check_ours(repo: Path) -> float:
 
 def apply_row(runs: int, scratch: Path) -> Row:
     """The project's own series."""
-    count = len(_series_lines(PROJECT))
+    count = len(read_series(PROJECT / "patches" / "series").names)
     ours, base = compare(
         runs,
         lambda: apply_ours(PROJECT, scratch / "ours"),
@@ -214,11 +215,6 @@ def _edits(tree: Path, size: int) -> tuple[dict[str, str | None], dict[str, str 
         before[rel] = text
         after[rel] = "\n".join([*lines[:middle], f"# sm120 bench change {k + 1}", *lines[middle:]])
     return before, after
-
-
-def _series_lines(repo: Path) -> list[str]:
-    text = (repo / "patches" / "series").read_text()
-    return [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
 def _is_utf8(data: bytes) -> bool:

@@ -2,7 +2,7 @@
 
 Run with the gate environment's python (`nox -s gate_bench -- --jobs 1 2 3`, or
 `<gate-env>/bin/python benchmarks/gate_matrix.py`). Prints one Markdown table row
-per (tree, jobs) setting; results go into benchmarks/gate_matrix.md by hand.
+per (tree, jobs) setting.
 Not a timed test: nothing fails on a slow machine.
 """
 

@@ -7,7 +7,7 @@ temporary directory outside the repository and unpacks its `sglang/` package
 (the layout `scan_tree` accepts: DIR/sglang or DIR/python/sglang). Prints a
 Markdown table: wall and CPU time of `scan_tree` (default workers and one
 worker), and `grep -rn` of the helper names over the same files, with what
-each finds. The recorded result is in gate_scan.md.
+each finds. `nox -s bench` keeps the gate-scan rows in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

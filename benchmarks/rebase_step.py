@@ -24,8 +24,8 @@ Timed, each as fresh processes, best of --runs:
   ids the normal form leaves out), checkout v<to>, `git am -3` of each patch
   (`git am --skip` on a conflict), then `git format-patch` of what applied.
 The hand route neither classifies (clean/offset/merged/upstreamed), nor
-re-renders normal form, nor writes a report. Results go to
-benchmarks/rebase_results.md by hand. Not a timed test.
+re-renders normal form, nor writes a report. `nox -s bench` keeps this row in
+benchmarks/RESULTS.md. Not a timed test.
 """
 
 from __future__ import annotations

@@ -38,10 +38,9 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -165,6 +164,7 @@ def verify(fork: Path, to: str) -> dict[str, Any]:
     target's gate environment: which patches do what their 0.5.9 rows say."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from sm120fork import gateenv
+    from sm120fork.patches.series import read_series
 
     env = gateenv.for_release(ROOT, to)
     tree = fork.parent / "final"
@@ -180,8 +180,7 @@ def verify(fork: Path, to: str) -> dict[str, Any]:
         args = ["run", "--tree", str(tree / "python"), *SM12X]
         run(fork, *harness, *args, "--jobs", "2", "--json", str(obs))
     found: dict[str, Any] = {}
-    series = (fork / "patches" / "series").read_text().splitlines()
-    for name in [line.strip() for line in series if line.strip() and line[0] != "#"]:
+    for name in read_series(fork / "patches" / "series").names:
         judged = run(fork, *harness, "cells", str(obs), f"--patch={name}", *SM12X)
         cells = json.loads(judged.stdout)
         wrong = [

@@ -6,7 +6,7 @@ of the same upstream wheel (needs `pip install wheel`).
 Both sides run as fresh processes, so both pay interpreter start-up. The fork
 build uses a temporary repo: the project's vendor/sglang, lock, CHANGELOG and
 series when the project has a lock, else the real 0.5.9 wheel with a one-patch
-series. Results go to benchmarks/wheel_results.md.
+series. Prints its result; `nox -s bench` keeps the wheel rows in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
-RESULTS = PROJECT / "benchmarks" / "wheel_results.md"
 TARGET = 1.5
 
 
@@ -116,7 +115,6 @@ def main() -> int:
         digest = hashlib.sha256(built.read_bytes()).hexdigest()[:16]
     ratio = statistics.median(ours) / statistics.median(floor)
     report = render(args.runs, inputs, upstream.name, built.name, digest, ours, floor, ratio)
-    RESULTS.write_text(report)
     print(report)
     return 0 if ratio <= TARGET else 1
 

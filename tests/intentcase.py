@@ -5,8 +5,8 @@ there, and import the SM12x helper."""
 from __future__ import annotations
 
 import textwrap
-
 import tomllib
+
 from sm120fork.intent.model import Intent, parse_intent
 
 SA = "python/sglang/srt/server_args.py"

@@ -111,6 +111,8 @@ def test_the_gates_the_series_adds_are_in_the_patched_tree() -> None:
         "sm120-nsa-guard.patch",
         "sm120-trtllm-mha-checkpoint-fp8-kv.patch",
         "sm120-pdmux-guard.patch",
+        "sm120-b12x-fp4-gemm.patch",
+        "sm120-b12x-moe-runner.patch",
     }
     overlay = apply_stack(VENDOR, load_stack(RepoPaths(REPO)).patches)
     assert unmatched_added(policy, overlay.read) == []

@@ -4,10 +4,10 @@ what it refuses, and what it counts as already made upstream."""
 from __future__ import annotations
 
 import textwrap
+import tomllib
 
 import libcst as cst
 import pytest
-import tomllib
 from sm120fork.errors import FatalError
 from sm120fork.intent.model import parse_intent
 from sm120fork.intent.reapply import Reapplied, reapply

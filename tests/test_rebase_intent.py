@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import textwrap
+import tomllib
 
 import pytest
-import tomllib
 from forkrepo import edit
 from hermetic import git
 from intentcase import GLM_ONLY, IMPORTS, INTENTS_TOML, SA

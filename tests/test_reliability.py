@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -272,7 +273,7 @@ def test_bad_input_fails_in_one_clear_line_and_changes_nothing(name: str, fork: 
     command = [arg.replace("{url}", fork.url) for arg in case.command]
     where = [] if case.outside else ["-C", str(fork.root)]
     result = subprocess.run(
-        ["python", "-m", "sm120fork", *where, *command],
+        [sys.executable, "-m", "sm120fork", *where, *command],
         capture_output=True, text=True, env=env, check=False, timeout=300, cwd=fork.root.parent,
     )  # fmt: skip
     output = result.stdout + result.stderr

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-from sm120fork.errors import EXIT_BAD_INPUT, FatalError
+from sm120fork.errors import EXIT_INTERRUPTED, FatalError
 from sm120fork.paths import require_checkout
 
 DESCRIPTION = (
@@ -93,8 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sm120fork {args.command}: error: {error.message}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
+        # A command mid-change has put the repository back before this (rebase aborts
+        # the rebase it started; import and refresh swap or write nothing half-done).
         print(f"sm120fork {args.command}: interrupted", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

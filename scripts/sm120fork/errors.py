@@ -11,6 +11,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_FINDINGS = 1  # check found problems, rebase stopped on a conflict, gates unreviewed
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a command killed by SIGINT
 
 
 class FatalError(Exception):

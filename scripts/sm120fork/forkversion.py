@@ -40,7 +40,7 @@ class ForkVersion:
     def epoch(self) -> int:
         """Midnight UTC of the release date, as seconds since the epoch."""
         day = datetime.date.fromisoformat(self.date)
-        moment = datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.timezone.utc)
+        moment = datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.UTC)
         return int(moment.timestamp())
 
 

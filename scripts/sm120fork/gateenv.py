@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import tomllib
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,11 +36,6 @@ from pathlib import Path
 
 from sm120fork.errors import FatalError
 from sm120fork.progress import Progress, elapsed
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 PREFIX = "gate environment"
 _VERSION = re.compile(r"__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]")

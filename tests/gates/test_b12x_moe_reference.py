@@ -92,10 +92,14 @@ def _checkpoint(
     ``tied``: gate and up share one weight_scale_2 (one amax over both, as exported
     fused layers have); untied halves get their own, and their magnitudes differ."""
     gen = torch.Generator().manual_seed(seed)
-    layer: dict[str, list] = {k: [] for k in ("w13", "s13", "s13_2", "w2", "s2", "s2_2", "deq13", "deq2")}
+    layer: dict[str, list] = {
+        k: [] for k in ("w13", "s13", "s13_2", "w2", "s2", "s2_2", "deq13", "deq2")
+    }
     for e in range(experts):
-        halves = [torch.randn(inter, hidden, generator=gen) * (0.02 * (h + 1) + 0.01 * e)
-                  for h in range(2 if gated else 1)]
+        halves = [
+            torch.randn(inter, hidden, generator=gen) * (0.02 * (h + 1) + 0.01 * e)
+            for h in range(2 if gated else 1)
+        ]
         amax = torch.stack([h.abs().max() for h in halves]).max() if tied else None
         quantized = [_quantize(h, amax) for h in halves]
         layer["w13"].append(torch.cat([q[0] for q in quantized]))
@@ -153,8 +157,14 @@ def _mma_to_logical(sf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 def _prepare(prep: ModuleType, ckpt: dict, gated: bool) -> dict:
     return prep.prepare_b12x_nvfp4_moe_weights(
-        ckpt["w13"], ckpt["s13"], ckpt["s13_2"].squeeze(-1) if not gated else ckpt["s13_2"],
-        ckpt["input_scale"], ckpt["w2"], ckpt["s2"], ckpt["s2_2"], is_gated=gated,
+        ckpt["w13"],
+        ckpt["s13"],
+        ckpt["s13_2"].squeeze(-1) if not gated else ckpt["s13_2"],
+        ckpt["input_scale"],
+        ckpt["w2"],
+        ckpt["s2"],
+        ckpt["s2_2"],
+        is_gated=gated,
         device=torch.device("cpu"),
     )
 
@@ -202,10 +212,18 @@ def test_untied_gate_up_scales_share_one_alpha(prep) -> None:
     view = _prepare(prep, ckpt, gated=True)
     assert torch.equal(view["w1_alpha"], ckpt["s13_2"].max(dim=1).values)
     got = _b12x_fused_moe_reference(
-        x, view["w1_weight"], _mma_to_logical(view["w1_weight_sf"], 2 * inter, hidden),
-        view["w2_weight"], _mma_to_logical(view["w2_weight_sf"], hidden, inter),
-        ids, weights, experts, top_k, w1_alpha=view["w1_alpha"],
-        w2_alpha=view["w2_alpha"], fc2_input_scale=view["fc2_input_scale"],
+        x,
+        view["w1_weight"],
+        _mma_to_logical(view["w1_weight_sf"], 2 * inter, hidden),
+        view["w2_weight"],
+        _mma_to_logical(view["w2_weight_sf"], hidden, inter),
+        ids,
+        weights,
+        experts,
+        top_k,
+        w1_alpha=view["w1_alpha"],
+        w2_alpha=view["w2_alpha"],
+        fc2_input_scale=view["fc2_input_scale"],
     )
     want = _torch_moe(x, ids, weights, ckpt["deq13"], ckpt["deq2"], "silu")
     assert _rel_err(got, want) < 0.12
@@ -257,7 +275,11 @@ def _call_keywords(tree: ast.AST, func: str) -> list[list[str]]:
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
-            target = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            target = (
+                node.func.attr
+                if isinstance(node.func, ast.Attribute)
+                else getattr(node.func, "id", None)
+            )
             if target == func:
                 found.append([k.arg for k in node.keywords if k.arg])
     return found
@@ -273,7 +295,14 @@ def test_runner_calls_bind_to_flashinfer_signatures(patched: Path) -> None:
         inspect.signature(flashinfer.b12x_fused_moe).bind(**run, **dict.fromkeys(keywords, 0))
     wrappers = _call_keywords(tree, "B12xMoEWrapper")
     assert wrappers, "no B12xMoEWrapper(...) call found"
-    shape_keys = ("num_experts", "top_k", "hidden_size", "intermediate_size", "activation", "device")
+    shape_keys = (
+        "num_experts",
+        "top_k",
+        "hidden_size",
+        "intermediate_size",
+        "activation",
+        "device",
+    )
     for keywords in wrappers:
         shared = ("shared_static_workspace", "shared_dynamic_workspace", "shared_output")
         kwargs = dict.fromkeys([*shape_keys, *keywords, *shared], 0)
@@ -292,7 +321,8 @@ def test_fp4_gemm_backend_binds_to_mm_fp4(patched: Path) -> None:
     signature = inspect.signature(flashinfer.mm_fp4)
     assert backend in typing.get_args(signature.parameters["backend"].annotation)
     calls = [
-        n for n in ast.walk(_module_ast(patched / MODELOPT))
+        n
+        for n in ast.walk(_module_ast(patched / MODELOPT))
         if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "flashinfer_fp4_gemm"
     ]
     assert calls, "ModelOpt no longer calls mm_fp4 as flashinfer_fp4_gemm"

@@ -48,8 +48,17 @@ def test_sglang_arguments_become_server_args_keywords() -> None:
 def test_glm4_nvfp4_on_sm120_upstream_beside_the_fork(tmp_path: Path) -> None:
     out = tmp_path / "explain.json"
     done = _explain(
-        "--model-path", str(GLM4), "--arch", "sm120", "--arch", "sm121",
-        "--json", str(out), "--", "--tp", "8",
+        "--model-path",
+        str(GLM4),
+        "--arch",
+        "sm120",
+        "--arch",
+        "sm121",
+        "--json",
+        str(out),
+        "--",
+        "--tp",
+        "8",
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "## glm4_moe_nvfp4 on sm120" in done.stdout

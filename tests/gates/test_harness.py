@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
-from sm120fork.harness import child, fakes, report, runner, table
+from sm120fork.harness import child, fakes, report, runner, table, zygotes
 
 
 @dataclasses.dataclass
@@ -245,8 +245,13 @@ def test_cells_judges_a_patch_s_rows_cell_by_cell(
 
     patch = "sm120-olmo2-attention-triton.patch"
     rows = [r for r in table.load_table(list(ARCHS)).rows if r.patch == patch]
+    # sm120 observes what each row wants: the backend, or the fallback's warning
+    sm120: dict[str, dict[str, str]] = {}
+    for r in rows:
+        value = "triton" if r.field == "attention_backend" else "fa3 has no SM12x kernels"
+        sm120.setdefault(r.scenario, {})[r.field] = value
     observations = {
-        "sm120": {r.scenario: {r.field: "triton"} for r in rows},
+        "sm120": sm120,
         "sm121": {r.scenario: {"error": "ValueError: refused"} for r in rows},
     }
     saved = tmp_path / "obs.json"
@@ -275,7 +280,7 @@ def test_a_forked_child_that_observes_otherwise_is_named_field_by_field() -> Non
 
 
 def test_what_a_zygote_asked_the_fake_nvidia_smi_in_vain_fails_the_matrix(tmp_path: Path) -> None:
-    runner._refuse_unexpected_queries(tmp_path)  # nothing asked
+    zygotes.refuse_unexpected_queries(tmp_path)  # nothing asked
     (tmp_path / "nvidia-smi-unexpected.log").write_text("--query-gpu=clocks.max.sm\n")
     with pytest.raises(runner.HarnessError, match=re.escape("clocks.max.sm")):
-        runner._refuse_unexpected_queries(tmp_path)
+        zygotes.refuse_unexpected_queries(tmp_path)

@@ -10,10 +10,13 @@ for the steps.
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 
 from sm120fork.errors import FatalError
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import flow
+from sm120fork.rebase.state import StateDir
 from sm120fork.upstream import SPEC_HELP, UpstreamSource
 
 
@@ -77,10 +80,30 @@ def run(args: argparse.Namespace) -> int:
         return flow.resume(paths, note=args.note.strip(), drop=args.drop.strip())
     if not args.version:
         raise FatalError("name the release to rebase onto (e.g. v0.5.10), or --continue / --abort")
-    return flow.start(
-        paths,
-        args.version,
-        source=UpstreamSource(args.upstream_git),
-        step=args.step,
-        dry_run=args.dry_run,
-    )
+    state_dir = StateDir.of(paths.root)
+    already = state_dir.exists()
+    try:
+        return flow.start(
+            paths,
+            args.version,
+            source=UpstreamSource(args.upstream_git),
+            step=args.step,
+            dry_run=args.dry_run,
+        )
+    except KeyboardInterrupt:
+        if not already and state_dir.exists():
+            _abort_interrupted(paths)
+        raise
+
+
+def _abort_interrupted(paths: RepoPaths) -> None:
+    """Ctrl-C during the rebase this run started: leave the repository as `--abort`
+    would, deaf to a second Ctrl-C until that is done. A rebase resumed with
+    --continue keeps its state (and the person's resolutions) instead."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        flow.abort(paths)
+    except FatalError as error:  # it had landed already: the message says what to do
+        print(f"sm120fork rebase: {error.message}", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGINT, previous)

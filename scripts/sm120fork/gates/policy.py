@@ -45,7 +45,7 @@ sources instead.
 from __future__ import annotations
 
 import ast
-import sys
+import tomllib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,11 +54,6 @@ from typing import Any
 from sm120fork.errors import FatalError
 from sm120fork.gates.model import DECISIONS, Gate
 from sm120fork.gates.scan import scan_source
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the tool runs on 3.11, the config allows 3.10
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)
@@ -160,12 +155,22 @@ def _check_keys(table: dict[str, Any], allowed: set[str], where: str) -> None:
 
 def load_policy(path: Path) -> Policy:
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return Policy(source=str(path))
+    return policy_from_text(text, str(path))
+
+
+def policy_from_text(text: str | None, source: str) -> Policy:
+    """The one parser of patches/gates.toml (a file, or its text at a git revision);
+    no text is an empty policy."""
+    if text is None:
+        return Policy(source=source)
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
-        raise FatalError(f"{path}: {error}") from error
-    return parse_policy(data, str(path))
+        raise FatalError(f"{source}: {error}; fix it there") from error
+    return parse_policy(data, source)
 
 
 def parse_policy(data: dict[str, Any], source: str = "gates.toml") -> Policy:

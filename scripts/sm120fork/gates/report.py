@@ -16,6 +16,7 @@ from typing import Any
 from sm120fork.gates.answer import Answer
 from sm120fork.gates.diff import GateDiff
 from sm120fork.gates.model import ARCHS, DECISIONS, UNREVIEWED, Gate, Inventory
+from sm120fork.markdown import cell
 
 
 def needs_attention(gate: Gate) -> bool:
@@ -63,13 +64,6 @@ def write_reports(inventory: Inventory, out_dir: Path, diff: GateDiff | None = N
     return list(written)
 
 
-def _cell(text: str | None, limit: int = 120) -> str:
-    text = " ".join((text or "").split())
-    if len(text) > limit:
-        text = text[: limit - 1] + "…"
-    return text.replace("|", "\\|")
-
-
 def _arch(answer: Answer | None) -> str:
     """The table's cell: what depends on other inputs (or was not evaluated) is `?`."""
     if answer is None or answer.word == "depends":
@@ -78,7 +72,7 @@ def _arch(answer: Answer | None) -> str:
 
 
 def _gate_line(gate: Gate) -> str:
-    return f"`{gate.where}` {gate.function}: `{_cell(gate.condition, 100)}`"
+    return f"`{gate.where}` {gate.function}: `{cell(gate.condition, 100)}`"
 
 
 def render_markdown(inventory: Inventory) -> str:
@@ -108,7 +102,7 @@ def render_markdown(inventory: Inventory) -> str:
     flagged = inventory.flagged
     out += [f"## Wrongly included: every flag ({len(flagged)})", ""]
     out += [
-        f"- {_gate_line(g)} - `{g.wrongly_included_token}`, {g.decision}: {_cell(g.reason)}"
+        f"- {_gate_line(g)} - `{g.wrongly_included_token}`, {g.decision}: {cell(g.reason, 120)}"
         for g in flagged
     ]
     out.append("")
@@ -128,11 +122,11 @@ def render_markdown(inventory: Inventory) -> str:
             out += ["", f"### {gate.file}", "", header + " | decision | reason |", divider]
         cells = [
             str(gate.line),
-            _cell(gate.function, 60),
-            f"`{_cell(gate.condition, 90)}`",
+            cell(gate.function, 60),
+            f"`{cell(gate.condition, 90)}`",
             *(_arch(gate.archs.get(a.name)) for a in ARCHS),
             gate.decision + (f" ({gate.patch})" if gate.patch else ""),
-            _cell(gate.reason),
+            cell(gate.reason, 120),
         ]
         out.append("| " + " | ".join(cells) + " |")
     out += [

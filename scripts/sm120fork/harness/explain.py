@@ -177,7 +177,9 @@ def explain(
     scenario = spec.Scenario(name="explain", model=str(model), args=args, probes=PROBES)
     # The same checkpoint with b12x forced: does the fork let b12x serve it?
     forced = spec.Scenario(
-        name="explain_b12x", model=str(model), args={**args, **kernels.FORCED_MOE},
+        name="explain_b12x",
+        model=str(model),
+        args={**args, **kernels.FORCED_MOE},
         probes=("nvfp4_moe",),
     )
     with tempfile.TemporaryDirectory(prefix="sm120-explain-") as tmp:

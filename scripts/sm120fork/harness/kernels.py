@@ -30,14 +30,26 @@ KERNELS = {
 }
 # (kind, arch) -> (the faster choice, its flag, the evidence it rests on)
 FASTER = {
-    ("MoE", "sm120"): (B12X, "--moe-runner-backend flashinfer_b12x",
-                       "vllm-project/vllm#40082, #47577 (cited)"),
-    ("MoE", "sm121"): (B12X, "--moe-runner-backend flashinfer_b12x",
-                       "opt-in on GB10: SM120 figures only, flashinfer#3359 (cited)"),
-    ("FP4 GEMM", "sm120"): (B12X, "--fp4-gemm-backend flashinfer_b12x",
-                            "sgl-project/sglang#38170 (cited)"),
-    ("FP4 GEMM", "sm121"): ("flashinfer_cutlass", "--fp4-gemm-backend flashinfer_cutlass",
-                            "FlashInfer's own mm_fp4 auto prefers cutlass/cudnn on SM121"),
+    ("MoE", "sm120"): (
+        B12X,
+        "--moe-runner-backend flashinfer_b12x",
+        "vllm-project/vllm#40082, #47577 (cited)",
+    ),
+    ("MoE", "sm121"): (
+        B12X,
+        "--moe-runner-backend flashinfer_b12x",
+        "opt-in on GB10: SM120 figures only, flashinfer#3359 (cited)",
+    ),
+    ("FP4 GEMM", "sm120"): (
+        B12X,
+        "--fp4-gemm-backend flashinfer_b12x",
+        "sgl-project/sglang#38170 (cited)",
+    ),
+    ("FP4 GEMM", "sm121"): (
+        "flashinfer_cutlass",
+        "--fp4-gemm-backend flashinfer_cutlass",
+        "FlashInfer's own mm_fp4 auto prefers cutlass/cudnn on SM121",
+    ),
 }
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from sm120fork.markdown import cell
+
 from . import table
 
 
@@ -28,7 +30,7 @@ def _cell_text(value: table.Cell | table.Raised, notes: list[str]) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    return f"`{value}`".replace("|", "\\|")
+    return cell(f"`{value}`", limit=None)
 
 
 def scenario_table(scenario: str, observations: table.Observations, archs: Sequence[str]) -> str:

@@ -4,12 +4,11 @@ library only, but for the series parser."""
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from sm120fork.patches.series import read_series
 

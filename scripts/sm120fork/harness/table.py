@@ -5,12 +5,11 @@ The file's own header documents the format for people who edit it.
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from .spec import EXPECTATIONS_FILE, SpecError
 
@@ -88,12 +87,21 @@ def unobservable(observed: Cell | Raised) -> bool:
 
 
 def load_table(archs: Sequence[str], path: Path = EXPECTATIONS_FILE) -> Table:
-    """Parse and validate the table; every problem found is reported at once."""
+    """Read, parse and validate the table file."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: {exc}") from exc
+    return parse_table(text, archs, str(path))
+
+
+def parse_table(text: str, archs: Sequence[str], source: str) -> Table:
+    """The one parser of expectations.toml (the harness, the review and `explain` use
+    it); every problem found is reported at once."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{source}: {exc}") from exc
     problems: list[str] = []
     rows: list[Row] = []
     seen: dict[tuple[str, str], int] = {}
@@ -123,7 +131,7 @@ def load_table(archs: Sequence[str], path: Path = EXPECTATIONS_FILE) -> Table:
         )
     untested = {str(u["patch"]): str(u.get("reason", "")) for u in data.get("untested", [])}
     if problems:
-        raise SpecError(f"{path}:\n  " + "\n  ".join(problems))
+        raise SpecError(f"{source}:\n  " + "\n  ".join(problems))
     return Table(tuple(rows), untested)
 
 

@@ -33,10 +33,9 @@ quotes do not matter.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from sm120fork.errors import FatalError
 

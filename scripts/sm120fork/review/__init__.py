@@ -16,6 +16,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from sm120fork.gates.policy import policy_from_text
 from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.review import decisions, revs
 from sm120fork.review.behaviour import review_behaviour
@@ -56,8 +57,8 @@ def review_change(
     with DiffRenderer() as renderer:
         series = review_series(base, head, base_applied, head_applied, renderer)
 
-    base_policy = decisions.parse(base.policy, f"{POLICY} at {base.rev.ref}")
-    head_policy = decisions.parse(head.policy, f"{POLICY} at {head.rev.ref}")
+    base_policy = policy_from_text(base.policy, f"{POLICY} at {base.rev.ref}")
+    head_policy = policy_from_text(head.policy, f"{POLICY} at {head.rev.ref}")
     full = full_scan or base.vendor != head.vendor
     progress(
         "scanning the gates of both patched trees" + ("" if full else f" ({len(touched)} files)")

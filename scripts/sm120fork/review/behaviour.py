@@ -7,17 +7,13 @@ not in HEAD's series tests a patch that is gone.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from sm120fork.errors import FatalError
 from sm120fork.gates.model import ARCHS
+from sm120fork.harness.spec import SpecError
+from sm120fork.harness.table import parse_table
 from sm120fork.review.model import BehaviourReview, Row, RowChange
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 ARCH_NAMES = tuple(arch.name for arch in ARCHS)
 OTHER_ARCHS = ARCH_NAMES[:5]  # sm80 .. sm103: a patch for SM12x must not move these
@@ -34,20 +30,17 @@ def parse(text: str | None, source: str) -> dict[tuple[str, str], tuple[Row, dic
     if text is None:
         return {}
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise FatalError(f"{source}: {error}; fix it there") from error
+        table = parse_table(text, ARCH_NAMES, source)
+    except SpecError as error:
+        raise FatalError(f"{error}; fix it there") from error
     rows: dict[tuple[str, str], tuple[Row, dict[str, Any]]] = {}
-    for index, item in enumerate(data.get("row", []), start=1):
-        scenario, field = item.get("scenario"), item.get("field")
-        if not isinstance(scenario, str) or not isinstance(field, str):
-            raise FatalError(f"{source}: [[row]] #{index} needs a scenario and a field")
-        raw = {arch: item[arch] for arch in ARCH_NAMES if arch in item}
+    for found in table.rows:
+        raw = dict(found.cells)
         row = Row(
-            scenario=scenario,
-            field=field,
-            patch=item.get("patch"),
-            note=item.get("note"),
+            scenario=found.scenario,
+            field=found.field,
+            patch=found.patch,
+            note=found.note or None,
             cells=tuple((arch, _shown(value)) for arch, value in raw.items()),
         )
         rows[row.key] = (row, raw)

@@ -7,27 +7,8 @@ by their place in the file, so moving an entry is no change.
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
-from sm120fork.errors import FatalError
 from sm120fork.gates import policy as rules
 from sm120fork.review.model import Decision, DecisionChange
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-
-def parse(text: str | None, source: str) -> rules.Policy:
-    if text is None:
-        return rules.Policy(source=source)
-    try:
-        data: dict[str, Any] = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise FatalError(f"{source}: {error}; fix it there") from error
-    return rules.parse_policy(data, source)
 
 
 def _decision(found: rules.Decision) -> Decision:

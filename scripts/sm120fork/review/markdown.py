@@ -6,8 +6,9 @@ step by step until the comment fits GitHub's limit; review.json has them all.
 
 from __future__ import annotations
 
+from sm120fork.markdown import cell, code
 from sm120fork.review.mdgates import behaviour_section, checks_section, gates_section
-from sm120fork.review.mdtext import BODY_LIMIT, bullets, cell, code, details, fenced, plural
+from sm120fork.review.mdtext import BODY_LIMIT, bullets, details, fenced, plural
 from sm120fork.review.model import EFFECTS, PatchReview, Review, RevInfo, SeriesReview
 
 MARKER = "<!-- sm120fork-review -->"  # the workflow finds its own comment by this line

@@ -5,8 +5,9 @@ from __future__ import annotations
 from sm120fork.gates.answer import word
 from sm120fork.gates.diff import GateChange
 from sm120fork.gates.model import SM12X, UNREVIEWED, Gate
+from sm120fork.markdown import cell, code
 from sm120fork.review.behaviour import ARCH_NAMES
-from sm120fork.review.mdtext import bullets, cell, code, details, plural
+from sm120fork.review.mdtext import bullets, details, plural
 from sm120fork.review.model import (
     BehaviourReview,
     CheckReview,

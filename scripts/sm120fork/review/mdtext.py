@@ -1,4 +1,4 @@
-"""Markdown pieces shared by the review's sections: cells, fences, shortened lists."""
+"""Markdown pieces shared by the review's sections: fences, shortened lists."""
 
 from __future__ import annotations
 
@@ -7,21 +7,6 @@ from collections.abc import Sequence
 
 # GitHub refuses a comment over 65536 characters; review.json keeps everything.
 BODY_LIMIT = 65_000
-
-
-def cell(text: str | None, limit: int = 160) -> str:
-    text = " ".join((text or "").split())
-    if len(text) > limit:
-        text = text[: limit - 1] + "…"
-    return text.replace("|", "\\|")
-
-
-def code(text: str) -> str:
-    """Inline code that survives backticks inside."""
-    ticks = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    fence = "`" * (ticks + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def fenced(text: str, language: str = "", limit: int | None = None) -> list[str]:

@@ -24,17 +24,12 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
 
 from sm120fork.errors import FatalError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 Source = Literal["pypi", "git"]
 DATE_ENV = "SM120FORK_DATE"
@@ -71,7 +66,7 @@ def today() -> str:
     """The import date: $SM120FORK_DATE when set (reproducible runs), else today in UTC."""
     value = os.environ.get(DATE_ENV)
     if value is None:
-        return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+        return datetime.datetime.now(datetime.UTC).date().isoformat()
     try:
         datetime.date.fromisoformat(value)
     except ValueError:
