@@ -11,7 +11,7 @@
   python -m sm120fork.harness judge OBS.json [--pristine]
   python -m sm120fork.harness cells OBS.json --patch NAME [--arch A ...]
       the cells of the rows naming a patch against saved observations, as JSON (what
-      the rebase's behaviour check reads: sm120fork/rebase/behaviour.py)
+      benchmarks/replay.py reads; the rebase judges rows in sm120fork/rebase/verdicts.py)
   python -m sm120fork.harness explain --model-path DIR [--arch A ...] [-- sglang args]
       print the observations as Markdown tables (gatetable/observed-<version>.md)
 
