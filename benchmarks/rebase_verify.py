@@ -17,10 +17,11 @@ carries, so every patch's rows run); a git checkout of the fork.
 Timed, best of --runs, each on a fresh checkout: `sm120fork rebase v<next>
 --upstream-git file://...`: fetch, carry, the rows of every patch on the pristine
 release (upstreamed?) and on the patched one (verified?), land. Not a timed test:
-`nox -s bench -- --only rebase-verify` runs it in the gate environment (`row`) and
-writes the row to benchmarks/RESULTS.md. Measured once on the shared 2-core
-machine: 158.6 s (2026-12-04), 18 of 19 patches verified (sm120-doctor.patch is
-`[[untested]]`).
+bench.py's opt-in group `rebase-verify` runs it in the gate environment (`row`) for
+benchmarks/RESULTS.md (name every group with --only: a run rewrites that file from
+its own rows). Measured on the shared 2-core machine (other engineers' jobs
+beside it), 2026-12-04: 158.6 s with 19 patches (18 verified; sm120-doctor.patch
+is `[[untested]]`), then 226.1 s through `row` with 20 (19 verified).
 """
 
 from __future__ import annotations
