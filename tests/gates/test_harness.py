@@ -233,6 +233,11 @@ def test_nvml_standin_answers_a_topology_only_while_asked(
     assert (major.value, minor.value) == (12, 1)
 
 
+OLMO2_WARNING = (
+    "Attention backend triton on SM120/SM121 for Olmo2ForCausalLM: fa3 has no SM12x kernels"
+)
+
+
 def test_cells_judges_a_patch_s_rows_cell_by_cell(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -248,7 +253,7 @@ def test_cells_judges_a_patch_s_rows_cell_by_cell(
     # sm120 observes what each row wants: the backend, or the fallback's warning
     sm120: dict[str, dict[str, str]] = {}
     for r in rows:
-        value = "triton" if r.field == "attention_backend" else "fa3 has no SM12x kernels"
+        value = "triton" if r.field == "attention_backend" else OLMO2_WARNING
         sm120.setdefault(r.scenario, {})[r.field] = value
     observations = {
         "sm120": sm120,
@@ -262,7 +267,8 @@ def test_cells_judges_a_patch_s_rows_cell_by_cell(
         ("sm120", True, False),
         ("sm121", False, True),
     }
-    assert all(c["row"] == rows[0].number and c["expects_raise"] is None for c in cells)
+    assert {c["row"] for c in cells} == {r.number for r in rows}
+    assert all(c["expects_raise"] is None for c in cells)
 
 
 def _arch_run(scenarios: dict[str, dict[str, Any]]) -> runner.ArchRun:
