@@ -12,7 +12,9 @@ inventory of 0.5.23 seen before (vs `grep -rn`) and never seen (vs the
 of 0.5.9 and 0.5.23 (vs `wheel unpack` + `wheel pack`), the git boundary
 (GitPython and one `cat-file --batch`, vs the subprocess-a-command boundary before
 #18; see bench_git.py), and the test suite
-(only with --with-tests; otherwise the last measured value, marked so). Then
+(only with --with-tests; otherwise the last measured value, marked so), and, only
+with `--only rebase-verify` (it needs the gate environment), a warm rebase onto one
+synthetic release with every carried patch verified by its rows (rebase_verify.py). Then
 how apply, check and the rebase (onto a synthetic next release) grow with
 synthetic series of --sizes patches (check also at --check-sizes).
 
@@ -44,10 +46,12 @@ import bench_git
 import bench_rebase_growth
 import bench_series
 import bench_upstream
+import rebase_verify
 from bench_common import PROJECT, Row, machine
 from bench_results import RESULTS_MD, render, results_file
 
-GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth")
+GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth", "rebase-verify")
+DEFAULT = [g for g in GROUPS if g != "rebase-verify"]  # needs the gate environment
 OUT = PROJECT / "build" / "bench"
 TESTS = OUT / "tests.json"
 
@@ -86,6 +90,9 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
     if "git" in chosen and bench_git.available():
         _say("git: the git boundary, GitPython vs the boundary before #18")
         rows.extend(bench_git.rows(args.runs))
+    if "rebase-verify" in chosen:
+        _say("rebase-verify: the fork onto a synthetic release, verified, in the gate env")
+        rows.append(rebase_verify.row(args.rebase_runs, sub("rebase-verify")))
     if "growth" in chosen:
         _say(f"growth: synthetic series of {args.sizes} patches")
         growth = bench_series.growth(args.runs, args.sizes, sub("growth"), args.check_sizes)
@@ -150,7 +157,7 @@ def main() -> int:
     parser.add_argument(
         "--check-sizes", type=int, nargs="*", default=[1000], help="sizes for check alone"
     )
-    parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS))
+    parser.add_argument("--only", nargs="+", choices=GROUPS, default=DEFAULT)
     parser.add_argument("--with-tests", action="store_true", help="also time `nox -s tests`")
     parser.add_argument(
         "--tests-only",

@@ -32,6 +32,7 @@ def hermetic_seal() -> Iterator[Seal]:
     with pytest.MonkeyPatch.context() as patch:
         for name in [name for name in os.environ if name.startswith("GIT_")]:
             patch.delenv(name)
+        patch.delenv("GITHUB_OUTPUT", raising=False)  # the tool writes its outcome there
         for name, value in SEAL.variables().items():
             patch.setenv(name, value)
         yield SEAL

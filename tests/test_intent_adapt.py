@@ -129,3 +129,36 @@ def test_no_rename_is_guessed(new: dict[str, str]) -> None:
 
 def test_a_chain_of_renames_ends_at_the_last_name() -> None:
     assert renames.renamed_text("a(x) or ab(x)", {"a": "b", "b": "c"}) == "c(x) or ab(x)"
+
+
+def test_a_gate_rewritten_through_a_local_platform_name_still_matches() -> None:
+    """Upstream binds `platform = get_platform()` and re-wraps the test over lines with
+    comments: the same condition, so the intent's `add_elif_after` still finds it."""
+    from sm120fork.intent.reapply import reapply
+
+    module = textwrap.dedent("""\
+        from sglang.srt.runtime_context import get_platform
+
+
+        @_register_for("Olmo2ForCausalLM")
+        def _olmo2_overrides(server_args, hf_config):
+            overrides = {}
+            platform = get_platform()
+            if (
+                platform.is_cuda  # a CUDA build
+                and platform.is_sm100
+            ):
+                overrides["attention_backend"] = "trtllm_mha"
+            else:
+                overrides["attention_backend"] = "fa3"
+            return overrides
+    """)
+    code = 'elif get_platform().is_sm120:\n    overrides["attention_backend"] = "triton"\n'
+    edit = Edit(
+        "model", "Olmo2ForCausalLM", "add_elif_after",
+        "get_platform().is_cuda and get_platform().is_sm100", code,
+    )  # fmt: skip
+    intent = Intent("p.patch", "olmo2 on SM12x", (edit,))
+    result = reapply(intent, {"m.py": module}.get, ["m.py"])
+    assert result.status == "resolved", result.detail
+    assert "elif get_platform().is_sm120:" in result.changes["m.py"]

@@ -241,12 +241,13 @@ def test_an_intent_follows_a_function_upstream_renamed(
     assert main(["-C", str(fork.root), "check"]) == 0, capsys.readouterr().out
 
 
-def test_landing_names_the_intents_that_no_longer_reproduce_their_patch(
-    request: pytest.FixtureRequest,
+def test_landing_marks_the_intents_that_no_longer_reproduce_their_patch(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The patch applies unchanged, but upstream added a second `if is_sm100_supported():`
-    to the override, so its intent is ambiguous there: the landing stands and says
-    which recipe `check` will refuse."""
+    to the override, so its intent is ambiguous there: the landing stands, marks the
+    recipe stale and says so in the report, and `check` passes right after it, naming
+    the stale intent instead of proving it."""
     second = (
         "            x = 1\n\n\n\n            if is_sm100_supported():\n                y = 2\n"
     )
@@ -254,9 +255,28 @@ def test_landing_names_the_intents_that_no_longer_reproduce_their_patch(
     result = fork.rebase("v0.5.10")
     assert result.returncode == 0, result.stderr
     assert fork.statuses() == {"0001-glm.patch": "clean"}
-    assert (
-        "1 intent no longer reproduces its patch on sglang 0.5.10; `check` fails until it is"
-        in result.stderr
+    assert "the intent of 0001-glm.patch is marked stale since 0.5.10" in result.stderr
+    [stale] = fork.report()["stale_intents"]
+    assert stale["patch"] == "0001-glm.patch" and "re-derive it" in stale["why"], stale
+    assert "## Intents for a person" in fork.read("build/rebase/report.md")
+    intents = tomllib.loads(fork.read("patches/intents.toml"))["intent"]
+    assert intents[0]["stale"] == stale["why"]
+    assert main(["-C", str(fork.root), "check"]) == 0
+    assert "note: the intent of 0001-glm.patch is stale" in capsys.readouterr().out
+
+
+def test_a_landing_clears_the_mark_of_an_intent_that_reproduces_again(
+    request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A recipe marked stale that reproduces its patch on the new base is proven again."""
+    fork = fork_with_intent(request, REFORMATTED)
+    intents = fork.root / "patches/intents.toml"
+    intents.write_text(
+        intents.read_text().replace("[[intent]]\n", '[[intent]]\nstale = "an older landing"\n', 1)
     )
-    assert "the intent of 0001-glm.patch does not reproduce the patch" in result.stderr
-    assert main(["-C", str(fork.root), "check"]) == 1
+    git("commit", "-q", "-am", "an older landing marked it", cwd=fork.root)
+    result = fork.rebase("v0.5.10")
+    assert result.returncode == 0, result.stderr
+    assert "stale" not in fork.read("patches/intents.toml")
+    assert "stale_intents" not in fork.report()
+    assert main(["-C", str(fork.root), "check"]) == 0, capsys.readouterr().out

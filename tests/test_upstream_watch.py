@@ -2,9 +2,10 @@
 
 `nox` is a stand-in that runs the tool against the test's upstream remote and,
 like nox, exits 1 on any failure; `gh` records what it is asked. The steps must
-tell the outcomes apart from the report, not from nox's exit code: a day with
-no new release ends green and opens nothing; a conflict opens one issue; a
-clean rebase pushes a branch and opens one pull request; bad input fails the job.
+tell the outcomes apart from the outputs the tool writes to $GITHUB_OUTPUT, not
+from nox's exit code: a day with no new release ends green and opens nothing; a
+conflict opens one issue; a clean rebase pushes a branch and opens one pull
+request; bad input, or no outcome at all, fails the job.
 """
 
 from __future__ import annotations
@@ -61,7 +62,13 @@ def tools(tmp_path: Path) -> Path:
     return bin_dir
 
 
-def watch(fork: RebaseFork, tmp_path: Path, url: str | None = None, existing: str = "") -> Watch:
+def watch(
+    fork: RebaseFork,
+    tmp_path: Path,
+    url: str | None = None,
+    existing: str = "",
+    python: str = sys.executable,
+) -> Watch:
     steps = load_steps(WORKFLOW, "rebase")
     assert {step.name for step in steps} >= SETUP, "the setup steps this test skips changed"
     gh_log = tmp_path / f"gh-{len(list(tmp_path.glob('gh-*.log')))}.log"
@@ -71,7 +78,7 @@ def watch(fork: RebaseFork, tmp_path: Path, url: str | None = None, existing: st
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": str(PROJECT / "scripts"),
-        "TEST_PYTHON": sys.executable,
+        "TEST_PYTHON": python,
         "TEST_UPSTREAM": url or fork.url,
         "GH_LOG": str(gh_log),
         "GH_EXISTING": existing,
@@ -81,15 +88,7 @@ def watch(fork: RebaseFork, tmp_path: Path, url: str | None = None, existing: st
 
 
 def fork_with(request: pytest.FixtureRequest, versions: dict[str, dict[str, str]]) -> RebaseFork:
-    fork = make_rebase_fork(request, versions, SERIES)
-    # The workflow runs on a checkout of the repository: copy the one script it uses.
-    (fork.root / "scripts").mkdir()
-    (fork.root / "scripts/rebase_outcome.py").write_bytes(
-        (PROJECT / "scripts/rebase_outcome.py").read_bytes()
-    )
-    git("add", "scripts", cwd=fork.root)
-    git("commit", "-q", "-m", "the watch's script", cwd=fork.root)
-    return fork
+    return make_rebase_fork(request, versions, SERIES)
 
 
 def test_a_day_without_a_new_release_ends_green_and_opens_nothing(
@@ -161,5 +160,18 @@ def test_bad_input_fails_the_job_and_opens_nothing(
     probe = result.runs["Is there a newer release?"]
     assert probe.returncode != 0
     assert "::error::the rebase refused: `git ls-remote" in probe.output
+    assert result.ran() == ["Is there a newer release?"]
+    assert result.gh == []
+
+
+def test_a_rebase_that_writes_no_outcome_fails_the_job(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A crash before the tool wrote its outcome (here: no tool at all) is no green day."""
+    fork = fork_with(request, {"v0.5.9": BASE, "v0.5.10": CARRIED})
+    result = watch(fork, tmp_path, python="false")
+    probe = result.runs["Is there a newer release?"]
+    assert probe.returncode != 0
+    assert "::error::the rebase gave no outcome to go on" in probe.output
     assert result.ran() == ["Is there a newer release?"]
     assert result.gh == []

@@ -3,9 +3,11 @@ from the pinned tree, and the tool and git run with a fixed identity and date.""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -36,11 +38,26 @@ def user_caches() -> dict[str, str]:
     }
 
 
+def decided_here() -> dict[str, str]:
+    """The rebase's rows decided in this gate environment, found by its pins (the
+    synthetic releases declare this environment's sglang's), and none installed."""
+    return {"SM120_GATE_ENV": sys.prefix, "SM120_GATE_ENV_INSTALL": "no"}
+
+
+def pyproject() -> str:
+    """A `python/pyproject.toml` declaring the pins of the sglang installed here (the
+    pinned release's: a synthetic release cut from it keeps them)."""
+    requires = importlib.metadata.requires("sglang") or []
+    listed = "".join(f"    {r!r},\n" for r in requires if "extra ==" not in r)
+    return f'[project]\nname = "sglang"\ndependencies = [\n{listed}]\n'
+
+
 def run(
     cwd: Path, *args: str, home: Path, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     merged = {**os.environ, **GIT_ENV, "HOME": str(home), "PYTHONPATH": str(ROOT / "scripts")}
     merged.update(user_caches())
+    merged.update(decided_here())
     merged["SM120FORK_DATE"] = "2026-12-01"
     merged.update(env or {})
     return subprocess.run(args, cwd=cwd, env=merged, capture_output=True, text=True, check=False)
@@ -57,10 +74,12 @@ def commit_all(repo: Path, message: str, home: Path) -> None:
 
 
 def cut_releases(tmp: Path, home: Path, releases: Sequence[tuple[str, Edit | None]]) -> Path:
-    """A git remote at `tmp/upstream`: vendor/sglang, then each (tag, edit) in order,
-    the edit applied to the tree before the release is committed and tagged."""
+    """A git remote at `tmp/upstream`: vendor/sglang with its pins in
+    python/pyproject.toml, then each (tag, edit) in order, the edit applied to the tree
+    before the release is committed and tagged."""
     upstream = tmp / "upstream"
     shutil.copytree(ROOT / "vendor" / "sglang", upstream)
+    (upstream / "python" / "pyproject.toml").write_text(pyproject())
     git(upstream, "init", "-q", ".", home=home)
     for tag, edit in releases:
         if edit is not None:
@@ -68,3 +87,21 @@ def cut_releases(tmp: Path, home: Path, releases: Sequence[tuple[str, Edit | Non
         commit_all(upstream, f"release {tag}", home)
         git(upstream, "tag", tag, home=home)
     return upstream
+
+
+def fork_checkout(tmp: Path, home: Path) -> Path:
+    """A git checkout of the fork as it is (vendor/, patches/, gatetable/, tests/), at
+    `tmp/fork`."""
+    fork = tmp / "fork"
+    fork.mkdir()
+    for name in ("vendor", "patches", "gatetable", "tests", "pyproject.toml", "CHANGELOG.md"):
+        source = ROOT / name
+        ignore = shutil.ignore_patterns("__pycache__")
+        if source.is_dir():
+            shutil.copytree(source, fork / name, ignore=ignore)
+        else:
+            shutil.copy(source, fork / name)
+    (fork / ".gitignore").write_text("/build/\n__pycache__/\n")
+    git(fork, "init", "-q", ".", home=home)
+    commit_all(fork, "the fork at its pinned release", home)
+    return fork

@@ -6,8 +6,8 @@ both hold on the result, judged by the real sglang on faked sm100, sm120 and sm1
 Upstream here is a local git remote made from vendor/sglang: v0.5.23 as vendored,
 v0.5.24 with the gate in arg_groups/model_overrides/glm4_moe.py reformatted, v0.5.25
 with that override module renamed and the Exaone override moved into gemma4.py (as
-upstream moves overrides between releases). One walk carries both cases: a rebase of
-the whole fork costs about half a minute.
+upstream moves overrides between releases). One walk carries both cases: a verified
+rebase of the whole fork costs minutes a release.
 
 The fork's series no longer patches this gate (the generic sm120-nvfp4-moe-checkpoint.patch
 answers SM12x for every family), so the fork copy here appends a test-only patch derived

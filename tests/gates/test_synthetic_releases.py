@@ -1,15 +1,23 @@
 """A synthetic release cut from the pinned tree, and a rebase of the real fork onto it
-(issue 15): upstream (a) reformats a patched gate and (c) fixes the same SM12x
-decision with different code, in one release; the patches end `resolved` and
-`upstreamed`, the rebase exits 0, and both patches' own expectation rows hold on
-the resulting patched tree (real sglang, faked sm100, sm120 and sm121). Case (b),
-upstream moving a patched function to another module, is a release of the walk
-in test_intent_rebase.py: each rebase of a whole fork costs about half a minute.
+(issues 15 and 30). In one release v0.5.24 upstream
+(a) rewrites the Exaone gate with the same meaning (a local bound to
+    `get_platform()`, the test re-wrapped over lines, comments): its intent carries
+    the patch, and the patch's rows verify it on the patched release;
+(c) fixes the Olmo2 decision with other code: the patch's rows pass on the pristine
+    release, so it is upstreamed with them as evidence;
+(d) decides the NVFP4 MoE runner for SM12x itself, after the patched branch:
+    `sm120-nvfp4-moe-auto-marlin.patch` still applies as text, but its rows fail
+    as on the pristine release, so the rebase stops at it as dead code; and
+    `sm120-moe-runner-fit.patch` still refuses cases upstream now resolves
+    otherwise than 0.5.23 did, so the rebase stops there for a person's review.
+A `--dry-run` first predicts both stops. `--drop` of the dead code, then
+`--continue` past the review, land the rest, and `check` passes at once. Case
+(b), upstream moving a patched function to another module, is a release of the
+walk in test_intent_rebase.py: each rebase of a whole fork costs minutes.
 
-The release is a local git remote made from vendor/sglang: v0.5.23 as vendored,
-v0.5.24 with both edits. (c) judges by behaviour (rebase/behaviour.py): the rows
-run on the new pristine release in this gate environment (SM120_REBASE_GATE_ENV;
-the synthetic release has no wheel of its own to install one from).
+The release is a local git remote made from vendor/sglang with this gate
+environment's pins declared in python/pyproject.toml, so the rebase reads them
+there and decides the rows here (synthetic.decided_here), downloading nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -30,13 +39,24 @@ ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = Path("python/sglang/srt/arg_groups/model_overrides")
 EXAONE = "sm120-exaone-attention-triton.patch"
 OLMO2 = "sm120-olmo2-attention-triton.patch"
-EXAONE_GATE = "            if get_platform().is_cuda and get_platform().is_sm100:\n"
-REFORMATTED = (
-    "            if (\n"
-    "                get_platform().is_cuda\n"
-    "                and get_platform().is_sm100\n"
-    "            ):\n"
-)
+EXAONE_GATE = """\
+            if get_platform().is_cuda and get_platform().is_sm100:
+                overrides["attention_backend"] = "trtllm_mha"
+            elif get_platform().is_cuda and get_platform().device_sm >= 80:
+"""
+# The same meaning: a local for the platform, the test re-wrapped, comments.
+SAME_MEANING = """\
+            platform = get_platform()
+            # Blackwell datacenter parts take TRT-LLM MHA.
+            if (
+                platform.is_cuda
+                and platform.is_sm100  # SM100 and SM103
+            ):
+                overrides["attention_backend"] = "trtllm_mha"
+            elif platform.is_cuda and (
+                platform.device_sm >= 80
+            ):
+"""
 OLMO2_CHAIN = """\
         if get_platform().is_cuda and get_platform().is_sm100:
             overrides["attention_backend"] = "trtllm_mha"
@@ -45,7 +65,8 @@ OLMO2_CHAIN = """\
         else:
             overrides["attention_backend"] = "triton"
 """
-# Upstream's own fix, not the patch's lines: FA3 only below Blackwell workstation parts.
+# Upstream's own fix, not the patch's lines: FA3 only below Blackwell workstation parts,
+# and the warning the patch's rows ask for (upstream took the fork's words for it).
 OLMO2_UPSTREAM = """\
         platform = get_platform()
         if platform.is_cuda and platform.is_sm100:
@@ -55,6 +76,28 @@ OLMO2_UPSTREAM = """\
         else:
             # FA3 has no kernels for SM12x (nor below SM80).
             overrides["attention_backend"] = "triton"
+            if platform.is_cuda and platform.device_sm >= 120:
+                logger.warning(
+                    "Attention backend triton on SM120/SM121 for %s: fa3 has no SM12x "
+                    "kernels; flashinfer is refused for Olmo models.",
+                    hf_config.architectures[0],
+                )
+"""
+AUTO_MARLIN = "sm120-nvfp4-moe-auto-marlin.patch"
+MOE_FIT = "sm120-moe-runner-fit.patch"
+MODELOPT = Path("python/sglang/srt/layers/quantization/modelopt_quant.py")
+NVFP4_DEFAULT = """\
+                moe_runner_backend = MoeRunnerBackend.FLASHINFER_TRTLLM
+
+        self._moe_runner_backend = moe_runner_backend
+"""
+# Upstream decides SM12x after the patched branch, three lines past its context.
+NVFP4_DECIDED = """\
+                moe_runner_backend = MoeRunnerBackend.FLASHINFER_TRTLLM
+            if is_cuda() and get_device_capability()[0] == 12:
+                moe_runner_backend = MoeRunnerBackend.FLASHINFER_CUTLASS
+
+        self._moe_runner_backend = moe_runner_backend
 """
 EXAONE_IMPORT = "from sglang.srt.arg_groups.model_overrides import exaone  # noqa: F401\n"
 
@@ -65,9 +108,15 @@ def _replace(path: Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new, 1))
 
 
-def reformat(tree: Path) -> None:
-    """(a) the Exaone gate the patch widens, split over lines as a formatter would."""
-    _replace(tree / OVERRIDES / "exaone.py", EXAONE_GATE, REFORMATTED)
+def same_meaning(tree: Path) -> None:
+    """(a) the Exaone gate the patch widens, rewritten with the same meaning."""
+    _replace(tree / OVERRIDES / "exaone.py", EXAONE_GATE, SAME_MEANING)
+
+
+def dead_code(tree: Path) -> None:
+    """(d) upstream sends SM12x's auto NVFP4 MoE runner to flashinfer_cutlass itself,
+    after the branch the auto-marlin patch widens."""
+    _replace(tree / MODELOPT, NVFP4_DEFAULT, NVFP4_DECIDED)
 
 
 def move(tree: Path) -> None:
@@ -87,35 +136,64 @@ def fix_upstream(tree: Path) -> None:
 
 
 def _run(cwd: Path, *args: str, home: Path) -> subprocess.CompletedProcess[str]:
-    # this gate environment judges (c)
-    return synthetic.run(cwd, *args, home=home, env={"SM120_REBASE_GATE_ENV": sys.prefix})
+    return synthetic.run(cwd, *args, home=home)
 
 
-def rebased(tmp: Path, edit: Callable[[Path], None]) -> tuple[Path, dict[str, object], str]:
-    """(patched tree, report, rebase output) after `rebase v0.5.24` onto `edit`ed 0.5.23."""
+@dataclass
+class Rebase:
+    fork: Path
+    home: Path
+    dry_code: int = 0  # how `rebase v0.5.24 --dry-run` exited, first
+    dry: dict[str, object] = field(default_factory=dict)
+    dry_output: str = ""
+    code: int = 0  # how `rebase v0.5.24` exited
+    report: dict[str, object] = field(default_factory=dict)  # where it ended
+    output: str = ""
+    review_code: int = 0  # how the `--drop` of the dead code exited (stopped for review)
+    review: dict[str, object] = field(default_factory=dict)
+    review_output: str = ""
+    landed_code: int = 0  # how the `--continue` past the review exited
+    landed: dict[str, object] = field(default_factory=dict)
+    landed_output: str = ""
+
+    def tool(self, *args: str) -> subprocess.CompletedProcess[str]:
+        python = [sys.executable, "-m", "sm120fork", "-C", str(self.fork)]
+        return _run(self.fork, *python, *args, home=self.home)
+
+
+def _report(fork: Path) -> dict[str, object]:
+    return dict(json.loads((fork / "build/rebase/report.json").read_text()))
+
+
+def rebased(tmp: Path, edit: Callable[[Path], None]) -> Rebase:
+    """`rebase v0.5.24 --dry-run`, then `rebase v0.5.24`, onto `edit`ed 0.5.23; where
+    it stops, `--drop` the dead code, then `--continue` past the review, to land it.
+    Each test asserts what it is about (a mutation of the tool fails the tests it
+    breaks, not the fixture)."""
     home = tmp / "home"
     home.mkdir()
     upstream = synthetic.cut_releases(tmp, home, [("v0.5.23", None), ("v0.5.24", edit)])
-    fork = tmp / "fork"
-    fork.mkdir()
-    for name in ("vendor", "patches", "gatetable", "tests", "pyproject.toml", "CHANGELOG.md"):
-        source = ROOT / name
-        ignore = shutil.ignore_patterns("__pycache__")
-        if source.is_dir():
-            shutil.copytree(source, fork / name, ignore=ignore)
-        else:
-            shutil.copy(source, fork / name)
-    (fork / ".gitignore").write_text("/build/\n__pycache__/\n")
-    synthetic.git(fork, "init", "-q", ".", home=home)
-    synthetic.commit_all(fork, "the fork at 0.5.23", home)
-    python = [sys.executable, "-m", "sm120fork", "-C", str(fork)]
-    ran = _run(fork, *python, "rebase", "v0.5.24", "--upstream-git", upstream.as_uri(), home=home)
-    output = ran.stdout + ran.stderr
-    report = json.loads((fork / "build/rebase/report.json").read_text())
-    assert ran.returncode == 0, output
-    applied = _run(fork, *python, "apply", "--out", str(tmp / "applied"), home=home)
-    assert applied.returncode == 0, applied.stderr
-    return tmp / "applied" / "python", report, output
+    state = Rebase(synthetic.fork_checkout(tmp, home), home)
+    dry = state.tool("rebase", "v0.5.24", "--dry-run", "--upstream-git", upstream.as_uri())
+    state.dry_code, state.dry, state.dry_output = dry.returncode, _report(state.fork), dry.stderr
+    ran = state.tool("rebase", "v0.5.24", "--upstream-git", upstream.as_uri())
+    state.code, state.report, state.output = (
+        ran.returncode,
+        _report(state.fork),
+        ran.stdout + ran.stderr,
+    )
+    state.review_code, state.review, state.review_output = state.code, state.report, state.output
+    if state.code == 1:
+        dropped = state.tool("rebase", "--drop", "upstream decides SM12x first")
+        state.review_code, state.review = dropped.returncode, _report(state.fork)
+        state.review_output = dropped.stdout + dropped.stderr
+    state.landed_code, state.landed = state.review_code, state.review
+    state.landed_output = state.review_output
+    if state.review_code == 1:
+        kept = state.tool("rebase", "--continue", "--note", "the refusal still holds")
+        state.landed_code, state.landed = kept.returncode, _report(state.fork)
+        state.landed_output = kept.stdout + kept.stderr
+    return state
 
 
 def rows_of(patches: Sequence[str]) -> list[table.Row]:
@@ -161,47 +239,97 @@ def _status(report: dict[str, object], patch: str) -> dict[str, object]:
     return dict(patches[patch])
 
 
-def reformat_and_fix_upstream(tree: Path) -> None:
-    """(a) and (c) in one release: they touch different patches' modules."""
-    reformat(tree)
+def one_release(tree: Path) -> None:
+    """(a), (c) and (d) in one release: they touch different patches' modules."""
+    same_meaning(tree)
     fix_upstream(tree)
+    dead_code(tree)
 
 
 @pytest.fixture(scope="module")
-def landed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object], str]:
-    return rebased(tmp_path_factory.mktemp("synthetic-release"), reformat_and_fix_upstream)
+def rebase(tmp_path_factory: pytest.TempPathFactory) -> Rebase:
+    return rebased(tmp_path_factory.mktemp("synthetic-release"), one_release)
 
 
-def test_a_reformatted_gate_is_resolved(landed: tuple[Path, dict[str, object], str]) -> None:
-    _, report, output = landed
-    assert _status(report, EXAONE)["status"] == "resolved", output
+def test_a_gate_rewritten_with_the_same_meaning_is_carried_and_verified(rebase: Rebase) -> None:
+    carried = _status(rebase.report, EXAONE)
+    assert (carried["status"], carried["strategy"]) == ("resolved", "intent"), rebase.output
+    assert str(carried["verified"]).startswith("verified: its rows pass"), carried
+    assert "exaone4_swa_tp1:attention_backend" in str(carried["verified"])
 
 
-def test_the_same_decision_in_other_code_is_upstreamed(
-    landed: tuple[Path, dict[str, object], str],
-) -> None:
-    tree, report, output = landed
-    carried = _status(report, OLMO2)
-    assert carried["status"] == "upstreamed", output
+def test_the_same_decision_in_other_code_is_upstreamed_by_its_rows(rebase: Rebase) -> None:
+    carried = _status(rebase.report, OLMO2)
+    assert (carried["status"], carried["strategy"]) == ("upstreamed", "rows"), carried
     detail = str(carried["detail"])
-    assert "row" in detail and "olmo2_dense_tp1:attention_backend" in detail, detail
-    assert "running sm120-olmo2-attention-triton.patch's 1 gate-table row" in output
-    series = (tree.parents[1] / "fork" / "patches" / "series").read_text()
-    assert OLMO2 not in series
+    assert "olmo2_dense_tp1:attention_backend" in detail and "decided in" in detail, detail
+    assert f"{sys.prefix} (the same pins as 0.5.24)" in detail, detail  # who decided
 
 
-def test_both_patches_rows_hold_on_the_result(
-    landed: tuple[Path, dict[str, object], str], tmp_path: Path, zygote_pool: runner.ZygotePool
-) -> None:
-    tree, _, _ = landed
-    rows_hold(tree, rows_of([EXAONE, OLMO2]), tmp_path / "rows", zygote_pool)
+def test_a_patch_upstream_made_dead_code_stops_the_rebase(rebase: Rebase) -> None:
+    assert (rebase.code, rebase.report["result"]) == (1, "conflict"), rebase.output
+    names = [p["name"] for p in rebase.report["patches"]]  # type: ignore[attr-defined]
+    statuses = [_status(rebase.report, name)["status"] for name in names]
+    at = names.index(AUTO_MARLIN)
+    assert statuses[at] == "conflict" and set(statuses[at + 1 :]) == {"pending"}, statuses
+    detail = str(_status(rebase.report, AUTO_MARLIN)["detail"])
+    assert "carried (clean, by exact), then stopped: dead code on 0.5.24" in detail, detail
+    cell = 'llama_dense_tp1:modelopt_quant.nvfp4_moe_runner_backend sm120: expected "marlin"'
+    assert cell in detail, detail
 
 
-@pytest.mark.parametrize("edit", [reformat, move, fix_upstream])
+def test_a_dry_run_predicts_the_same_stop(rebase: Rebase) -> None:
+    """The held-out releases were first fed through `--dry-run`: it goes on past the
+    stop, so the patches after it are predicted, not pending."""
+    assert (rebase.dry_code, rebase.dry["result"]) == (1, "dry-run"), rebase.dry_output
+    stopped = _status(rebase.dry, AUTO_MARLIN)
+    assert stopped["status"] == "conflict", stopped
+    assert "then stopped: dead code on 0.5.24" in str(stopped["detail"]), stopped
+    assert (_status(rebase.dry, OLMO2)["status"], _status(rebase.dry, EXAONE)["status"]) == (
+        "upstreamed",
+        "resolved",
+    )
+    stops = {p["name"] for p in rebase.dry["patches"] if p["status"] == "conflict"}  # type: ignore[attr-defined]
+    pending = [p["name"] for p in rebase.dry["patches"] if p["status"] == "pending"]  # type: ignore[attr-defined]
+    assert (stops, pending) == ({AUTO_MARLIN, MOE_FIT}, []), rebase.dry_output
+
+
+def test_a_refusal_upstream_now_resolves_otherwise_stops_for_a_person(rebase: Rebase) -> None:
+    """(d) also changes how upstream resolves a case the MoE-fit patch refuses: after the
+    dead code is dropped, the rebase stops there with both resolutions."""
+    assert (rebase.review_code, rebase.review["result"]) == (1, "conflict"), rebase.review_output
+    stopped = _status(rebase.review, MOE_FIT)
+    detail = str(stopped["detail"])
+    assert stopped["status"] == "conflict", stopped
+    assert "it still refuses where upstream 0.5.24 now resolves the case otherwise" in detail
+    assert 'upstream now "flashinfer_cutlass", before "flashinfer_trtllm"' in detail, detail
+
+
+def test_after_landing_the_fork_is_consistent(rebase: Rebase) -> None:
+    """Every other patch verified, the stopped one dropped, and `check` green at once."""
+    assert (rebase.landed_code, rebase.landed["result"]) == (0, "complete"), rebase.landed_output
+    assert _status(rebase.landed, AUTO_MARLIN)["status"] == "dropped"
+    carried = [p for p in rebase.landed["patches"] if p["status"] not in ("upstreamed", "dropped")]  # type: ignore[attr-defined]
+    untested = table.load_table([a.name for a in spec.load_archs()]).untested
+    unverified = [p["name"] for p in carried if not str(p["verified"]).startswith("verified")]
+    assert set(unverified) == set(untested), unverified  # each says why: the table's reason
+    kept = _status(rebase.landed, MOE_FIT)
+    assert str(kept["verified"]).startswith("verified by a person (`--continue`)"), kept
+    series = (rebase.fork / "patches" / "series").read_text()
+    assert OLMO2 not in series and AUTO_MARLIN not in series, series
+    check = rebase.tool("check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    stale = {s["patch"] for s in rebase.landed.get("stale_intents", [])}  # type: ignore[attr-defined]
+    assert all(f"the intent of {name} is stale" in check.stdout for name in stale), check.stdout
+
+
+@pytest.mark.parametrize("edit", [same_meaning, move, fix_upstream, dead_code])
 def test_each_edit_applies_to_the_pinned_tree(tmp_path: Path, edit: Callable[[Path], None]) -> None:
     """The synthetic edits still find their text in vendor/sglang (a rebase of the
-    fork itself would otherwise turn these cases into a failed setup). The edits touch
-    the model overrides only, so only those are copied."""
+    fork itself would otherwise turn these cases into a failed setup). Only the files
+    the edits touch are copied."""
     tree = tmp_path / "tree"
     shutil.copytree(ROOT / "vendor" / "sglang" / OVERRIDES, tree / OVERRIDES)
+    (tree / MODELOPT).parent.mkdir(parents=True)
+    shutil.copy(ROOT / "vendor" / "sglang" / MODELOPT, tree / MODELOPT)
     edit(tree)

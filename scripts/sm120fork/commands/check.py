@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from sm120fork.errors import EXIT_FINDINGS, EXIT_OK
+from sm120fork.intent.model import load_intents
 from sm120fork.patches.checks import check_repository
 from sm120fork.paths import RepoPaths
 from sm120fork.upstream import manifest
@@ -27,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
     if count:
         print(f"{count} finding{'s' if count != 1 else ''}", file=sys.stderr)
         return EXIT_FINDINGS
+    for name, intent in sorted(load_intents(paths.intents_file).items()):
+        if intent.stale:
+            print(f"note: the intent of {name} is stale, so not proven: {intent.stale}")
     names = sum(1 for _ in paths.patches_dir.glob("*.patch"))
     vendored = manifest.read(paths.manifest_file)
     assert vendored is not None  # check_repository reports a missing manifest

@@ -3,13 +3,15 @@
   python -m sm120fork.harness run [--tree pristine|patched|DIR] [--arch A ...]
         [--scenario S ...] [--jobs N] [--json OUT]
       observe and print every scenario's fields per architecture
+  python -m sm120fork.harness observe --tree LABEL=DIR [...] --scenario S [...] --json OUT
+      observe several trees in one matrix (what the rebase's verification runs)
   python -m sm120fork.harness rows OBS.json SCENARIO:FIELD [...]
       print [[row]] blocks holding the observed values (to paste into expectations.toml)
   python -m sm120fork.harness markdown OBS.json [--scenario S ...]
   python -m sm120fork.harness judge OBS.json [--pristine]
   python -m sm120fork.harness cells OBS.json --patch NAME [--arch A ...]
       the cells of the rows naming a patch against saved observations, as JSON (what
-      the rebase's behaviour check reads: sm120fork/rebase/behaviour.py)
+      benchmarks/replay.py reads; the rebase judges rows in sm120fork/rebase/verdicts.py)
   python -m sm120fork.harness explain --model-path DIR [--arch A ...] [-- sglang args]
       print the observations as Markdown tables (gatetable/observed-<version>.md)
 
@@ -77,6 +79,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"matrix wall time: {wall:.1f} s with {args.jobs or 'all'} jobs")
     if args.json:
         args.json.write_text(json.dumps(matrix.observations, indent=1, sort_keys=True))
+    return 0
+
+
+def cmd_observe(args: argparse.Namespace) -> int:
+    """Several trees in one matrix (one zygote an architecture serves them all)."""
+    archs = [a for a in spec.load_archs() if not args.arch or a.name in args.arch]
+    scenarios = [s for s in spec.load_scenarios().values() if s.name in args.scenario]
+    trees = dict(item.split("=", 1) for item in args.tree)
+    with tempfile.TemporaryDirectory(prefix="sm120-gates-") as tmp:
+        paths = {label: Path(path).resolve() for label, path in trees.items()}
+        runs = runner.run_matrices(paths, archs, scenarios, scratch=Path(tmp), jobs=args.jobs)
+    observed = {label: run.observations for label, run in runs.items()}
+    args.json.write_text(json.dumps(observed, indent=1, sort_keys=True))
     return 0
 
 
@@ -153,6 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--jobs", type=int, default=None, help="parallel interpreters")
     run.add_argument("--json", type=Path, help="write the observations here")
     run.set_defaults(func=cmd_run)
+    ob = sub.add_parser("observe", help="observe several trees, write their observations")
+    ob.add_argument("--tree", action="append", required=True, help="LABEL=DIR (repeatable)")
+    ob.add_argument("--arch", action="append", help="only this architecture (repeatable)")
+    ob.add_argument("--scenario", action="append", required=True, help="scenario (repeatable)")
+    ob.add_argument("--jobs", type=int, default=None, help="parallel interpreters")
+    ob.add_argument("--json", type=Path, required=True, help="{label: observations} here")
+    ob.set_defaults(func=cmd_observe)
     rows = sub.add_parser("rows", help="print [[row]] blocks from saved observations")
     rows.add_argument("observations", type=Path)
     rows.add_argument("cells", nargs="+", metavar="SCENARIO:FIELD")

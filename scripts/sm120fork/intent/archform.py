@@ -16,19 +16,38 @@ _FACT_OF = semantics.HELPER_FACTS  # helper -> the get_platform() fact for it
 _PROBES = set(semantics.PLATFORM_PROBES)
 
 
-def _platform_attribute(node: ast.AST) -> str | None:
-    if (
-        isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Call)
-        and isinstance(node.value.func, ast.Name)
-        and node.value.func.id in semantics.PLATFORM_GETTERS
-        and not node.value.args
-    ):
+def _is_platform(node: ast.AST, aliases: frozenset[str]) -> bool:
+    """`get_platform()`, or a name the module binds to it (`platform = get_platform()`)."""
+    if isinstance(node, ast.Name):
+        return node.id in aliases
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in semantics.PLATFORM_GETTERS
+        and not node.args
+    )
+
+
+def platform_aliases(tree: ast.AST) -> frozenset[str]:
+    """The names a module binds to `get_platform()` (a local of any of its functions:
+    upstream binds one where a branch tests several facts)."""
+    return frozenset(
+        node.targets[0].id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and _is_platform(node.value, frozenset())
+    )
+
+
+def _platform_attribute(node: ast.AST, aliases: frozenset[str] = frozenset()) -> str | None:
+    if isinstance(node, ast.Attribute) and _is_platform(node.value, aliases):
         return node.attr
     return None
 
 
-def _canonical(node: ast.AST) -> str | None:
+def _canonical(node: ast.AST, aliases: frozenset[str]) -> str | None:
     """The one name an arch or platform term gets, whatever its spelling."""
     if isinstance(node, ast.Call) and not node.args and not node.keywords:
         func = node.func
@@ -40,7 +59,7 @@ def _canonical(node: ast.AST) -> str | None:
             return "__sm__"
     if isinstance(node, ast.Name) and node.id.lstrip("_") in semantics.HELPERS:
         return f"__{node.id.lstrip('_')}__"
-    fact = _platform_attribute(node)
+    fact = _platform_attribute(node, aliases)
     if fact in semantics.PLATFORM_FACTS:
         return f"__{semantics.PLATFORM_FACTS[fact]}__"
     if fact in _PROBES:
@@ -51,16 +70,21 @@ def _canonical(node: ast.AST) -> str | None:
 
 
 class _Canonical(ast.NodeTransformer):
+    def __init__(self, aliases: frozenset[str]) -> None:
+        self.aliases = aliases
+
     def visit(self, node: ast.AST) -> ast.AST:
-        name = _canonical(node)
+        name = _canonical(node, self.aliases)
         if name is not None:
             return ast.Name(id=name, ctx=ast.Load())
         visited: ast.AST = super().visit(node)
         return visited
 
 
-def canonical(tree: ast.AST) -> ast.AST:
-    result: ast.AST = _Canonical().visit(tree)
+def canonical(tree: ast.AST, aliases: frozenset[str] = frozenset()) -> ast.AST:
+    """`tree` with every arch or platform term in one spelling (`aliases`: the names the
+    module binds to `get_platform()`)."""
+    result: ast.AST = _Canonical(aliases).visit(tree)
     return result
 
 

@@ -91,6 +91,9 @@ class Intent:
     patch: str
     says: str
     edits: tuple[Edit, ...]
+    # Why the recipe no longer reproduces its patch (a landing found it describes the
+    # old code): `check` does not prove it, and names it.
+    stale: str = ""
 
 
 def load_intents(path: Path) -> dict[str, Intent]:
@@ -121,7 +124,10 @@ def parse_intent(raw: dict[str, object], where: str) -> Intent:
     if not isinstance(edits, list) or not edits:
         raise FatalError(f"{where}: needs at least one [[intent.edit]]")
     parsed = tuple(_edit(item, f"{where} edit #{n}") for n, item in enumerate(edits, start=1))
-    return Intent(patch=text("patch"), says=text("says"), edits=parsed)
+    stale = raw.get("stale", "")
+    if not isinstance(stale, str):
+        raise FatalError(f"{where}: `stale` must be a string")
+    return Intent(patch=text("patch"), says=text("says"), edits=parsed, stale=stale)
 
 
 def _edit(raw: object, where: str) -> Edit:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
-from sm120fork.intent.archform import canonical
+from sm120fork.intent.archform import canonical, platform_aliases
 from sm120fork.intent.freenames import first_line
 
 Span = tuple[int, int, int, int]  # start line, start column, end line, end column
@@ -44,6 +44,7 @@ class Source:
     positions: dict[cst.CSTNode, Span] = field(default_factory=dict)
     _focused: set[int] = field(default_factory=set)
     _forms: dict[int, str | None] = field(default_factory=dict)
+    _aliases: frozenset[str] | None = None
 
     @classmethod
     def parse(cls, path: str, text: str, keep: frozenset[str] | None = None) -> Source | None:
@@ -157,8 +158,18 @@ class Source:
         if key not in self._forms:
             code = self.code(node)
             is_expression = isinstance(node, cst.BaseExpression)
-            self._forms[key] = expression_form(code) if is_expression else statement_form(code)
+            aliases = self.aliases
+            self._forms[key] = (
+                expression_form(code, aliases) if is_expression else statement_form(code, aliases)
+            )
         return self._forms[key]
+
+    @property
+    def aliases(self) -> frozenset[str]:
+        """The names this module binds to `get_platform()`."""
+        if self._aliases is None:
+            self._aliases = platform_aliases(self.tree)
+        return self._aliases
 
 
 _PARSED: OrderedDict[tuple[str, str, frozenset[str] | None], Source | None] = OrderedDict()
@@ -236,17 +247,18 @@ def _skeleton(text: str, tree: ast.Module, keep: frozenset[str]) -> tuple[str, s
     return "\n".join(lines), stubs
 
 
-def expression_form(code: str) -> str | None:
+def expression_form(code: str, aliases: frozenset[str] = frozenset()) -> str | None:
     """The syntax tree of an expression (arch tests in one spelling), or None if `code`
-    is not one."""
+    is not one (`aliases`: the names its module binds to `get_platform()`)."""
     try:
-        return ast.dump(canonical(ast.parse(f"(\n{code}\n)", mode="eval").body))
+        return ast.dump(canonical(ast.parse(f"(\n{code}\n)", mode="eval").body, aliases))
     except SyntaxError:
         return None
 
 
-def statement_form(code: str) -> str | None:
+def statement_form(code: str, aliases: frozenset[str] = frozenset()) -> str | None:
     try:
-        return ast.dump(canonical(ast.parse(textwrap.dedent(code).strip("\n") + "\n")))
+        tree = ast.parse(textwrap.dedent(code).strip("\n") + "\n")
+        return ast.dump(canonical(tree, aliases))
     except SyntaxError:
         return None

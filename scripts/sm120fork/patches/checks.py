@@ -109,7 +109,8 @@ def _patch_findings(
         found: list[Finding] = []
         per_patch.append(found)
         intent = intents.get(patch.name)
-        recipe = reapply_kept(intent, overlay.read, patch.paths) if intent else None
+        proven = intent is not None and not intent.stale  # a stale one is named by `check`
+        recipe = reapply_kept(intent, overlay.read, patch.paths) if intent and proven else None
         before = {path: overlay.read(path) for path in patch.paths}
         try:
             apply_patch(overlay, patch)

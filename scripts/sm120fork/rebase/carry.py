@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from sm120fork.rebase import platformhelper
-from sm120fork.rebase.behaviour import try_behaviour
 from sm120fork.rebase.merge import conflict, try_intent, try_resolutions, try_three_way
 from sm120fork.rebase.names import broken_lines
 from sm120fork.rebase.relocate import try_relocate
@@ -36,8 +35,6 @@ STRATEGIES: tuple[Strategy, ...] = (
     try_relocate,  # "relocate": its code left the file; re-applied where it went -> merged
     try_resolutions,  # "docstring", "import-list", "adjacent-edits", "two-insertions",
     #                   "deleted-file" (joined by +): every conflict a rule's -> merged
-    try_behaviour,  # "behaviour": its gate rows pass on the pristine release -> upstreamed;
-    #                 otherwise the conflict, with what the rows showed in its reason
 )
 
 

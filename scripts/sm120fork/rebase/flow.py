@@ -186,8 +186,11 @@ def _stopped(workspace: Workspace, state: RebaseState) -> int:
     _, md = report_md.write(workspace.reports, built)
     for conflict in patch.conflicts:
         say(f"conflict: {conflict.file}:{conflict.line} (line of sglang {state.target.version})")
+    if not patch.conflicts:  # stopped by its rows: its carried change is in the work tree
+        say(f"{patch.name}: {patch.steps[-1].reason}")
+    edit = "edit the conflict markers" if patch.conflicts else "fix its change"
     say(
-        f"stopped at {patch.name}: edit the conflict markers in {work}, "
-        f"then run `rebase --continue` (or `--abort`); report {md}"
+        f"stopped at {patch.name}: {edit} in {work}, then run `rebase --continue` "
+        f"(`--drop REASON` if upstream no longer needs it, or `--abort`); report {md}"
     )
     return EXIT_FINDINGS

@@ -22,9 +22,7 @@ crash cut short and --abort can undo it.
 
 from __future__ import annotations
 
-import re
 import shutil
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -32,22 +30,15 @@ from pathlib import Path
 from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.fsutil import copy_tree, remove, swap_back, swap_in
 from sm120fork.gates.diff import GateDiff
-from sm120fork.intent import renames
-from sm120fork.patches.checks import INTENTS_FILE, check_repository
 from sm120fork.patches.lines import split_lines
 from sm120fork.patches.normalform import render_patch
 from sm120fork.patches.series import read_series
 from sm120fork.paths import RepoPaths
-from sm120fork.rebase import changelog, fate, report, report_md
+from sm120fork.rebase import changelog, fate, landintents, report, report_md
 from sm120fork.rebase.state import Journal, PatchState, RebaseState, crash_point
 from sm120fork.rebase.strategy import parsed
 from sm120fork.rebase.workspace import Workspace, say
 from sm120fork.upstream import lock
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 def land(workspace: Workspace, state: RebaseState) -> int:
@@ -74,9 +65,9 @@ def land(workspace: Workspace, state: RebaseState) -> int:
         state = workspace.save(replace(state, journal=plan))
         crash_point("after-swap")
     discard_old(root, plan)
-    _, md = report_md.write(
-        workspace.reports, report.build(state, "complete", workspace.gates(state), None)
-    )
+    built = report.build(state, "complete", workspace.gates(state), None)
+    stale = landintents.stale(workspace.paths.intents_file)
+    _, md = report_md.write(workspace.reports, replace(built, stale_intents=stale))
     shutil.rmtree(workspace.work, ignore_errors=True)
     shutil.rmtree(workspace.area / "upstream", ignore_errors=True)
     workspace.store.remove()
@@ -85,28 +76,7 @@ def land(workspace: Workspace, state: RebaseState) -> int:
         f"rebased onto sglang {state.final.version}: {kept} of {len(state.patches)} patches "
         f"carried; wrote vendor/sglang, its lock, patches/ and CHANGELOG.md; report {md}"
     )
-    stale_intents(workspace.paths, state.final.version)
     return EXIT_OK
-
-
-def stale_intents(paths: RepoPaths, version: str) -> None:
-    """Say which intents no longer reproduce their patch on the new base: a patch carried
-    by a rule, a merge or a person keeps the recipe of the old code, and `check` (so
-    CI) fails until the maintainer refreshes it; the landing itself stands."""
-    where = f"patches/{INTENTS_FILE}"
-    try:
-        findings = [f for f in check_repository(paths, verify_tree=False) if f.where == where]
-    except FatalError as error:  # landed already: say why the intents were not checked
-        say(f"the intents were not checked against sglang {version}: {error}; run `check`")
-        return
-    if not findings:
-        return
-    what, them = ("intents no longer reproduce their", "they are")
-    if len(findings) == 1:
-        what, them = ("intent no longer reproduces its", "it is")
-    say(f"{len(findings)} {what} patch on sglang {version}; `check` fails until {them} refreshed:")
-    for finding in findings:
-        say(f"  {finding}")
 
 
 Writer = Callable[[Path], None]  # writes one target's new content at the given path
@@ -163,9 +133,6 @@ def discard_old(root: Path, plan: Journal) -> None:
         remove(old_copy(root / target))
 
 
-_INTENT = re.compile(r"^(?=\[\[intent\]\][ \t]*$)", re.MULTILINE)
-
-
 def writers(
     paths: RepoPaths,
     state: RebaseState,
@@ -203,9 +170,12 @@ def writers(
         (dest / "series").write_bytes(series.render().encode("utf-8"))
         intents = dest / paths.intents_file.relative_to(paths.patches_dir)  # staged patches/
         renamed = {p.name: dict(p.renames) for p in state.patches if p.renames}
-        if intents.is_file() and (dropped or renamed):
-            text = without_intents(intents.read_text("utf-8"), dropped)
-            intents.write_bytes(with_renames(text, renamed).encode("utf-8"))
+        landed = [parsed(p) for p in state.patches if p.name not in dropped]
+        version = state.final.version
+        for name, why in landintents.written(
+            intents, dropped, renamed, new_tree, landed, version
+        ).items():
+            say(f"the intent of {name} is marked stale {why}")
 
     def changelog_file(dest: Path) -> None:
         current = paths.changelog.read_text("utf-8") if paths.changelog.is_file() else None
@@ -230,23 +200,3 @@ def patch_bytes(original: bytes, patch: PatchState, today: str) -> bytes:
     file = parsed(patch)
     diff = "".join(split_lines(patch.text)[file.header_lines :])
     return render_patch(file.header.with_last_update(today), diff)
-
-
-def with_renames(text: str, renamed: dict[str, dict[str, str]]) -> str:
-    """patches/intents.toml with the `[[intent]]` block of each patch in `renamed` calling
-    the functions upstream renamed by their new names (so `check` proves it again on
-    the new base); the rest verbatim."""
-    head, *blocks = _INTENT.split(text)
-    for index, block in enumerate(blocks):
-        name = tomllib.loads(block)["intent"][0].get("patch")
-        if name in renamed:
-            blocks[index] = renames.renamed_text(block, renamed[name])
-    return head + "".join(blocks)
-
-
-def without_intents(text: str, dropped: set[str]) -> str:
-    """patches/intents.toml without the `[[intent]]` blocks of `dropped` patches
-    (`check` refuses an intent for a patch the series lacks); the rest verbatim."""
-    head, *blocks = _INTENT.split(text)
-    kept = [b for b in blocks if tomllib.loads(b)["intent"][0].get("patch") not in dropped]
-    return head + "".join(kept)

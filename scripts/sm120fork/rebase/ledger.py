@@ -32,8 +32,10 @@ def record(state: RebaseState, index: int, outcome: Outcome, note: str = "") -> 
     patch = state.patches[index]
     version = state.target.version
     if outcome.status == "conflict":
-        # The conflict is a step too: --step names the release where it happened.
-        steps = (*patch.steps, StepResult(version, "conflict", False, outcome.reason))
+        # The conflict is a step too: --step names the release where it happened (it
+        # replaces a carry at that release that verification then refused).
+        earlier = tuple(s for s in patch.steps if s.version != version)
+        steps = (*earlier, StepResult(version, "conflict", False, outcome.reason))
         return state.with_patch(
             index,
             replace(

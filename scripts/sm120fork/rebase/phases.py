@@ -16,7 +16,7 @@ from sm120fork.patches.applier import ApplyError, Overlay, apply_patch
 from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.patches.patchfile import PatchFile
 from sm120fork.progress import Counter, Progress
-from sm120fork.rebase import fate, ledger, releasecommits, targets
+from sm120fork.rebase import fate, ledger, releasecommits, targets, verify
 from sm120fork.rebase.carry import carry
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
@@ -116,6 +116,8 @@ def _carry_release(
         )
         state = state.with_target(index, replace(target, base_commit=base))
         state = workspace.save(replace(state, tip=base, patch_index=0))
+        state = verify.drop_upstreamed(workspace, repo, state)
+        state = workspace.save(verify.start_release(state))
     repo.checkout(state.tip)  # also whatever a crash left in the work tree
     releases = len(state.targets)
     where = (
@@ -155,6 +157,10 @@ def _carry_release(
             replace(state, patch_index=number + 1, tip=outcome.commit or state.tip)
         )
         crash_point(f"after-patch-{number + 1}")
+    previous = state.targets[index - 1].base_commit if index else state.old_base
+    state = workspace.save(verify.verify_release(workspace, repo, state, previous))
+    if state.phase == "conflict":
+        return state
     return workspace.save(replace(state, release_index=index + 1, patch_index=0, tip=""))
 
 

@@ -46,6 +46,7 @@ class PatchEntry:
     conflicts: tuple[Conflict, ...] = ()  # a conflicted or resolved patch's
     walked: Walked | None = None  # with --step
     strategy: str = ""  # what carried or dropped it at the last release reached
+    verified: str = ""  # what its rows showed on the last release reached (verify.py)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class Report:
     walk: tuple[Release, ...] | None = None  # with --step, once the gates are compared
     work_tree: str | None = None  # stopped on a conflict: where a person resolves it
     error: str | None = None  # bad input: the one line the command printed
+    # Landed: the intents that no longer reproduce their patch, (patch, why): `check`
+    # names them until a person re-derives them (rebase/landintents.py).
+    stale_intents: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> JsonObject:
         """report.json, keys in the order docs/contract.md shows them."""
@@ -89,6 +93,8 @@ class Report:
             data["work_tree"] = self.work_tree
         if self.error is not None:
             data["error"] = self.error
+        if self.stale_intents:
+            data["stale_intents"] = [{"patch": n, "why": w} for n, w in self.stale_intents]
         return data
 
     @staticmethod
@@ -108,6 +114,10 @@ class Report:
             releases=None if releases is None else jsondata.texts(data, "releases"),
             work_tree=jsondata.optional_text(data, "work_tree"),
             error=jsondata.optional_text(data, "error"),
+            stale_intents=tuple(
+                (jsondata.text(jsondata.obj(s), "patch"), jsondata.text(jsondata.obj(s), "why"))
+                for s in jsondata.array(data.get("stale_intents", []))
+            ),
         )
 
     def summary_line(self) -> str:
@@ -186,7 +196,8 @@ def _patch(state: RebaseState, index: int) -> PatchEntry:
             found = (state.target.version, "")
         walked = Walked(found[0] if found else None, patch.steps)
     last = patch.steps[-1] if patch.steps and status != "pending" else None
-    return PatchEntry(patch.name, status, detail, conflicts, walked, last.strategy if last else "")
+    strategy, verified = (last.strategy, last.verified) if last else ("", "")
+    return PatchEntry(patch.name, status, detail, conflicts, walked, strategy, verified)
 
 
 def _step_json(step: StepResult) -> JsonObject:
@@ -196,6 +207,7 @@ def _step_json(step: StepResult) -> JsonObject:
         "strategy": step.strategy,
         "detail": fate.step_detail(step),
         "note": step.note,
+        "verified": step.verified,
     }
 
 
@@ -248,6 +260,7 @@ def _patch_json(patch: PatchEntry) -> JsonObject:
         "status": patch.status,
         "strategy": patch.strategy,
         "detail": patch.detail,
+        "verified": patch.verified,
         "conflicts": [_conflict_json(c) for c in patch.conflicts],
     }
     if patch.walked is not None:

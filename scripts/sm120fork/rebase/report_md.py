@@ -4,13 +4,14 @@ description (the upstream watch posts it), rendered from the `Report` record."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 from sm120fork.fsutil import atomic_write_many
 from sm120fork.rebase import fate, gatefindings
 from sm120fork.rebase.gatefindings import KINDS
-from sm120fork.rebase.report import Release, Report, _Conditions, _conditions
+from sm120fork.rebase.report import PatchEntry, Release, Report, _Conditions, _conditions
 
 _DRY_RUN_NOTE = [
     "A dry run goes on past a conflict: the patches after one were carried without it.",
@@ -26,7 +27,24 @@ def write(directory: Path, report: Report) -> tuple[Path, Path]:
             md_path: markdown(report).encode("utf-8"),
         }
     )
+    workflow_outputs(report)
     return json_path, md_path
+
+
+def workflow_outputs(report: Report) -> None:
+    """In a GitHub workflow ($GITHUB_OUTPUT set): how the rebase ended, as the step's
+    outputs `result`, `to` and `conflicts` (nox turns every failure into exit 1, so the
+    upstream watch reads these), and a refusal as an error annotation."""
+    target = os.environ.get("GITHUB_OUTPUT")
+    if not target:
+        return
+    conflicts = sum(1 for patch in report.patches if patch.status == "conflict")
+    with open(target, "a", encoding="utf-8") as handle:
+        handle.write(f"result={report.result}\nto={report.to}\nconflicts={conflicts}\n")
+    if report.error is not None:
+        print(f"::error::the rebase refused: {report.error}", flush=True)
+    else:
+        print(f"rebase outcome: {report.result} (sglang {report.to})", flush=True)
 
 
 # GitHub refuses a pull-request body over 65536 characters; the upstream watch uses
@@ -64,12 +82,13 @@ def _markdown(report: Report, listed: int | None) -> str:
         "| patch | status | strategy | what happened |",
         "|---|---|---|---|",
         *(
-            f"| `{p.name}` | {p.status} | {p.strategy or '-'} | {_cell(p.detail)} |"
+            f"| `{p.name}` | {p.status} | {p.strategy or '-'} | {_cell(_said(p))} |"
             for p in report.patches
         ),
     ]
     lines += _walk_markdown(report.walk)
     lines += _conflicts_markdown(report)
+    lines += _stale_markdown(report.stale_intents)
     lines += ["", "## Gates", ""]
     if report.result == "conflict":
         return "\n".join([*lines, "Compared when the rebase completes.", ""])
@@ -114,6 +133,18 @@ def _conflicts_markdown(report: Report) -> list[str]:
     return lines
 
 
+def _stale_markdown(stale: tuple[tuple[str, str], ...]) -> list[str]:
+    if not stale:
+        return []
+    lines = ["", "## Intents for a person", ""]
+    lines += [
+        "These recipes in `patches/intents.toml` no longer reproduce their landed patch; "
+        "they are marked `stale` (`check` names them) until a person re-derives them:",
+        "",
+    ]
+    return lines + [f"- `{name}`: {why}" for name, why in stale]
+
+
 def _walk_markdown(walk: tuple[Release, ...] | None) -> list[str]:
     """Release by release: each patch's fate there, and the gate changes."""
     if not walk:
@@ -153,3 +184,8 @@ def _fenced(text: str) -> list[str]:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return [f"{fence}python", *text.rstrip("\n").split("\n"), fence]
+
+
+def _said(patch: PatchEntry) -> str:
+    """What happened, then what its rows showed (verify.py)."""
+    return f"{patch.detail}; {patch.verified}" if patch.verified else patch.detail

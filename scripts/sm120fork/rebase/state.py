@@ -41,7 +41,7 @@ from sm120fork.gates.diff import GateDiff
 from sm120fork.upstream.source import UpstreamSource
 
 CRASH_ENV = "SM120FORK_REBASE_CRASH_AT"
-FORMAT = 4  # 2: a step keeps its reason; fate.py words it. 3: and its strategy. 4: renames
+FORMAT = 5  # 2: a step keeps its reason; 3: its strategy; 4: renames; 5: verification
 
 Status = Literal[
     "clean", "offset", "merged", "resolved", "upstreamed", "dropped", "conflict", "pending"
@@ -73,6 +73,7 @@ class StepResult:
     reason: str = ""  # why, in the tool's words, without the fate's (fate.step_detail)
     note: str = ""  # the person's word on a hand resolution: why the tool could not
     strategy: str = ""  # what carried or dropped it (carry.STRATEGIES' names, "by hand")
+    verified: str = ""  # what its gate-table rows showed on the patched release (verify.py)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,8 @@ class RebaseState:
     gates: GateDiff | None = None  # the report's gates section, once computed
     # With --step: each release's gate findings against the release before it, once computed.
     release_gates: dict[str, GateDiff] | None = None
+    # The patches as the current release's carry found them (verify.py goes back to it).
+    release_start: tuple[PatchState, ...] = ()
     format: int = FORMAT
 
     @property
@@ -166,13 +169,14 @@ def loads(text: str) -> RebaseState:
     journal = data.pop("journal")
     gates, release_gates = data.pop("gates"), data.pop("release_gates")
     return RebaseState(
-        **{k: v for k, v in data.items() if k not in ("targets", "patches")},
+        **{k: v for k, v in data.items() if k not in ("targets", "patches", "release_start")},
         gates=None if gates is None else GateDiff.from_json(jsondata.obj(gates)),
         release_gates=None
         if release_gates is None
         else {v: GateDiff.from_json(jsondata.obj(d)) for v, d in release_gates.items()},
         targets=tuple(Target(**t) for t in data["targets"]),
         patches=tuple(_patch(p) for p in data["patches"]),
+        release_start=tuple(_patch(p) for p in data["release_start"]),
         journal=None
         if journal is None
         else Journal(journal["step"], tuple((t, bool(e)) for t, e in journal["items"])),

@@ -8,6 +8,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from sm120fork.errors import FatalError
+from sm120fork.rebase import decisionenv
 from sm120fork.upstream import (
     Progress,
     UpstreamSource,
@@ -63,4 +64,5 @@ def fetch(
     if release.tree != tree(workdir):  # pragma: no cover - a changed convention is a bug
         raise AssertionError(f"fetch_release wrote {release.tree}, expected {tree(workdir)}")
     manifest_file(workdir).write_text(manifest.dumps(release.manifest()), encoding="utf-8")
+    decisionenv.record_pins(workdir, release.wheel, release.commit)
     return lock.dumps(release.lock(lock.today()))
