@@ -82,6 +82,24 @@ def test_the_same_file_upstream_is_already_made() -> None:
     assert with_edit.status == "resolved" and list(with_edit.changes) == [OLD]
 
 
+def test_the_new_module_binds_no_name_in_another_module() -> None:
+    """Its code reaches another module only through an import the intent writes."""
+    bare = _intent(f"""
+        [[intent.edit]]
+        new_file = "{NEW}"
+        code = '''
+        {HELPER.replace(chr(10), chr(10) + "        ")}'''
+
+        [[intent.edit]]
+        function = "run"
+        insert_at = "top"
+        code = "helper()"
+    """)
+    result = reapply(bare, {OLD: RUNNER}.get, [OLD])
+    assert result.status == "not-found"
+    assert "its new code reads helper, which def run lacks" in result.detail
+
+
 def test_the_proof_cache_reads_the_new_path_though_no_candidate_names_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -64,7 +64,7 @@ NEW_FILE = "new_file"  # both scope and operation of an edit that creates a file
 
 @dataclass(frozen=True)
 class Edit:
-    scope: str  # one of SCOPES
+    scope: str  # one of SCOPES, or NEW_FILE
     name: str  # what the scope is found by
     op: str  # one of OPERATIONS
     target: str  # the operation's anchor: a statement, condition, expression or name
