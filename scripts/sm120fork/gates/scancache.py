@@ -7,7 +7,7 @@ by a key over (the scanner's own source, the Python version, every file's
 path and the SHA-1 of its content, git's blob id): a scanner change, another
 Python or any changed byte is another key, so an entry is never stale.
 
-Entries live in a `cachedir.CacheDir` (atomic writes, checksummed payloads, the
+Entries live in a `fsutil.CacheDir` (atomic writes, checksummed payloads, the
 oldest pruned). The payload is a pickle: the directory is the user's own, as
 trusted as the environment that runs the tool.
 """
@@ -20,7 +20,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
-from sm120fork.cachedir import CacheDir
+from sm120fork.fsutil import CacheDir
 from sm120fork.gates.model import Inventory
 
 _MAGIC = b"sm120fork-gate-scan 1\n"

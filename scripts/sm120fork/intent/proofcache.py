@@ -30,7 +30,7 @@ from pathlib import Path
 
 import libcst as cst
 
-from sm120fork.cachedir import CacheDir
+from sm120fork.fsutil import CacheDir
 from sm120fork.intent.model import NEW_FILE, Intent
 from sm120fork.intent.reapply import Reapplied, reapply
 

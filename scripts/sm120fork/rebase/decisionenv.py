@@ -19,12 +19,12 @@ from __future__ import annotations
 import email
 import os
 import subprocess
+import tomllib
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
 from packaging.requirements import InvalidRequirement, Requirement
 
 from sm120fork import gateenv

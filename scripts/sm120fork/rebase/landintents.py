@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-
-import tomllib
 
 from sm120fork.intent import renames
 from sm120fork.intent.model import Intent, load_intents
