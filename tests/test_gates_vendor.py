@@ -70,7 +70,7 @@ def test_the_patched_gates(inventory: Inventory) -> None:
     nvfp4_auto = gate_at(inventory, "layers/quantization/modelopt_quant.py", 3118)
     assert (answers(nvfp4_auto), nvfp4_auto.patch) == (
         "TTTFFFF",
-        "sm120-nvfp4-moe-auto-marlin.patch",
+        "sm120-nvfp4-moe-auto-fit.patch",
     )
     mla = gate_at(inventory, "arg_groups/overrides.py", 1210)
     assert answers(mla) == "TTTFFFF"  # the refusal SM12x passes

@@ -247,9 +247,9 @@ def run_scenario(scenario: dict[str, Any]) -> Observation:
     environ = dict(os.environ)
     obs: Observation = {"error": None}
     server_args: Any = None
+    warnings = _Warnings()
     try:
         if scenario.get("model_path"):
-            warnings = _Warnings()
             try:
                 with warnings:
                     server_args, values = build_server_args(
@@ -260,14 +260,17 @@ def run_scenario(scenario: dict[str, Any]) -> Observation:
             except Exception as exc:
                 obs["error"] = child_probes.describe(exc)["raises"]
                 return obs
-            obs["log.warnings"] = warnings.text()
             for name in SERVER_ARGS_FIELDS:
                 obs[name] = child_probes.plain(values.get(name, MISSING))
             for key in sorted(set(os.environ) | set(environ)):
                 if os.environ.get(key) != environ.get(key) and key.startswith("SGLANG_"):
                     obs[f"env.{key}"] = os.environ.get(key)
-        for probe_name in scenario.get("probes", []):
-            obs.update(child_probes.run_probe(probe_name, server_args))
+        # A load-time fallback warns while a probe resolves it: recorded as well.
+        with warnings:
+            for probe_name in scenario.get("probes", []):
+                obs.update(child_probes.run_probe(probe_name, server_args))
+        if server_args is not None:
+            obs["log.warnings"] = warnings.text()
         return obs
     finally:
         os.environ.clear()

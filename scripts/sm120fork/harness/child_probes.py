@@ -332,6 +332,30 @@ def probe_nvfp4_moe(server_args: Any) -> Observation:
     return {"modelopt_quant.nvfp4_moe_runner_backend": plain(backend)}
 
 
+# Layers an NVFP4 MoE runner may not serve: field suffix -> MoeRunnerConfig fields.
+NVFP4_MOE_LAYERS = {
+    "situ": {"activation": "situ"},
+    "router_on_input": {"apply_router_weight_on_input": True},
+}
+
+
+def probe_nvfp4_moe_layers(server_args: Any) -> Observation:
+    """The load-time NVFP4 MoE runner for layers a runner may not serve (each field
+    its own choice or error)."""
+    out: Observation = {}
+    for name, layer in NVFP4_MOE_LAYERS.items():
+        field = f"modelopt_quant.nvfp4_moe_runner_backend[{name}]"
+        try:
+            backend = load_probes.nvfp4_moe_runner(server_args, _publish, Unavailable, **layer)
+        except Unavailable:
+            raise
+        except Exception as exc:
+            out[field] = describe(exc)
+        else:
+            out[field] = plain(backend)
+    return out
+
+
 def probe_muse_spark_moe(server_args: Any) -> Observation:
     """The runner Muse Spark's packed-NVFP4 experts pick at model load."""
     backend = load_probes.muse_spark_moe_runner(server_args, _publish, Unavailable)
@@ -361,6 +385,10 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "ue8m0_requant": (probe_ue8m0_requant, UE8M0_REQUANT_FIELDS),
     "triton_tiles": (probe_triton_tiles, ()),
     "nvfp4_moe": (probe_nvfp4_moe, ("modelopt_quant.nvfp4_moe_runner_backend",)),
+    "nvfp4_moe_layers": (
+        probe_nvfp4_moe_layers,
+        tuple(f"modelopt_quant.nvfp4_moe_runner_backend[{n}]" for n in NVFP4_MOE_LAYERS),
+    ),
     "muse_spark_moe": (probe_muse_spark_moe, ("muse_spark_fp4_moe.moe_runner_backend",)),
     "pcie_allreduce": (probe_pcie_allreduce, allreduce_probes.FIELDS),
 }

@@ -20,8 +20,11 @@ class _BareLayer:
     """Stands for the FusedMoE layer: create_moe_runner only sets attributes on it."""
 
 
-def nvfp4_moe_runner(server_args: Any, publish: Any, unavailable: type[Exception]) -> Any:
-    """The runner ModelOptNvFp4FusedMoEMethod.create_moe_runner resolves (``auto`` included).
+def nvfp4_moe_runner(
+    server_args: Any, publish: Any, unavailable: type[Exception], **layer: Any
+) -> Any:
+    """The runner ModelOptNvFp4FusedMoEMethod.create_moe_runner resolves (``auto`` included)
+    for a layer of the given MoeRunnerConfig fields (default: a SiLU layer).
 
     The choice is stored before the runner is built; building it may fail without
     a GPU, so an error after the choice is kept out of the observation.
@@ -31,7 +34,7 @@ def nvfp4_moe_runner(server_args: Any, publish: Any, unavailable: type[Exception
     if method_cls is None or not hasattr(method_cls, "create_moe_runner"):
         raise unavailable(f"{NVFP4_MOE} has no ModelOptNvFp4FusedMoEMethod.create_moe_runner")
     _published_moe_config(server_args, publish, unavailable)
-    config = importlib.import_module(MOE_RUNNER_BASE).MoeRunnerConfig()
+    config = importlib.import_module(MOE_RUNNER_BASE).MoeRunnerConfig(**layer)
     method = method_cls.__new__(method_cls)
     try:
         method.create_moe_runner(_BareLayer(), config)
