@@ -6,7 +6,7 @@
 (c) fixes the Olmo2 decision with other code: the patch's rows pass on the pristine
     release, so it is upstreamed with them as evidence;
 (d) decides the NVFP4 MoE runner for SM12x itself, after the patched branch:
-    `sm120-nvfp4-moe-auto-marlin.patch` still applies as text, but its rows fail
+    `sm120-nvfp4-moe-auto-fit.patch` still applies as text, but its rows fail
     as on the pristine release, so the rebase stops at it as dead code; and
     `sm120-moe-runner-fit.patch` still refuses cases upstream now resolves
     otherwise than 0.5.23 did, so the rebase stops there for a person's review.
@@ -83,7 +83,7 @@ OLMO2_UPSTREAM = """\
                     hf_config.architectures[0],
                 )
 """
-AUTO_MARLIN = "sm120-nvfp4-moe-auto-marlin.patch"
+AUTO_MARLIN = "sm120-nvfp4-moe-auto-fit.patch"
 MOE_FIT = "sm120-moe-runner-fit.patch"
 MODELOPT = Path("python/sglang/srt/layers/quantization/modelopt_quant.py")
 NVFP4_DEFAULT = """\
