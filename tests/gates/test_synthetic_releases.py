@@ -5,13 +5,14 @@
     the patch, and the patch's rows verify it on the patched release;
 (c) fixes the Olmo2 decision with other code: the patch's rows pass on the pristine
     release, so it is upstreamed with them as evidence;
-(d) decides the NVFP4 MoE runner for SM12x itself, after the patched branch:
-    `sm120-nvfp4-moe-auto-fit.patch` still applies as text, but its rows fail
-    as on the pristine release, so the rebase stops at it as dead code; and
+(d) decides the NVFP4 MoE runner for SM12x itself, ahead of the patched branch:
     `sm120-moe-runner-fit.patch` still refuses cases upstream now resolves
-    otherwise than 0.5.23 did, so the rebase stops there for a person's review.
-A `--dry-run` first predicts both stops. `--drop` of the dead code, then
-`--continue` past the review, land the rest, and `check` passes at once. Case
+    otherwise than 0.5.23 did, so the rebase stops there for a person's review;
+    `sm120-nvfp4-moe-auto-fit.patch` (after it in the series) still applies as
+    text, but its branch is never reached and its rows fail as on the pristine
+    release, so the rebase stops at it as dead code.
+A `--dry-run` first predicts both stops. `--continue` past the review, then
+`--drop` of the dead code, land the rest, and `check` passes at once. Case
 (b), upstream moving a patched function to another module, is a release of the
 walk in test_intent_rebase.py: each rebase of a whole fork costs minutes.
 
@@ -83,21 +84,24 @@ OLMO2_UPSTREAM = """\
                     hf_config.architectures[0],
                 )
 """
-AUTO_MARLIN = "sm120-nvfp4-moe-auto-fit.patch"
+AUTO_FIT = "sm120-nvfp4-moe-auto-fit.patch"
 MOE_FIT = "sm120-moe-runner-fit.patch"
 MODELOPT = Path("python/sglang/srt/layers/quantization/modelopt_quant.py")
 NVFP4_DEFAULT = """\
-                moe_runner_backend = MoeRunnerBackend.FLASHINFER_TRTLLM
+        moe_runner_backend = get_moe_runner_backend()
 
-        self._moe_runner_backend = moe_runner_backend
+        if moe_runner_backend.is_auto():
+            if is_cuda() and (8, 0) <= get_device_capability() < (10, 0):
 """
-# Upstream decides SM12x after the patched branch, three lines past its context.
+# Upstream decides SM12x ahead of the branch the patch adds, outside its context:
+# the patch still applies as text, and its branch is never reached.
 NVFP4_DECIDED = """\
-                moe_runner_backend = MoeRunnerBackend.FLASHINFER_TRTLLM
-            if is_cuda() and get_device_capability()[0] == 12:
-                moe_runner_backend = MoeRunnerBackend.FLASHINFER_CUTLASS
+        moe_runner_backend = get_moe_runner_backend()
 
-        self._moe_runner_backend = moe_runner_backend
+        if moe_runner_backend.is_auto() and is_cuda() and get_device_capability()[0] == 12:
+            moe_runner_backend = MoeRunnerBackend.FLASHINFER_CUTLASS
+        if moe_runner_backend.is_auto():
+            if is_cuda() and (8, 0) <= get_device_capability() < (10, 0):
 """
 EXAONE_IMPORT = "from sglang.srt.arg_groups.model_overrides import exaone  # noqa: F401\n"
 
@@ -115,7 +119,7 @@ def same_meaning(tree: Path) -> None:
 
 def dead_code(tree: Path) -> None:
     """(d) upstream sends SM12x's auto NVFP4 MoE runner to flashinfer_cutlass itself,
-    after the branch the auto-marlin patch widens."""
+    ahead of the branch the auto-fit patch adds."""
     _replace(tree / MODELOPT, NVFP4_DEFAULT, NVFP4_DECIDED)
 
 
@@ -149,10 +153,10 @@ class Rebase:
     code: int = 0  # how `rebase v0.5.24` exited
     report: dict[str, object] = field(default_factory=dict)  # where it ended
     output: str = ""
-    review_code: int = 0  # how the `--drop` of the dead code exited (stopped for review)
-    review: dict[str, object] = field(default_factory=dict)
-    review_output: str = ""
-    landed_code: int = 0  # how the `--continue` past the review exited
+    dead_code: int = 0  # how the `--continue` past the review exited (at the dead code)
+    dead: dict[str, object] = field(default_factory=dict)
+    dead_output: str = ""
+    landed_code: int = 0  # how the `--drop` of the dead code exited
     landed: dict[str, object] = field(default_factory=dict)
     landed_output: str = ""
 
@@ -167,7 +171,7 @@ def _report(fork: Path) -> dict[str, object]:
 
 def rebased(tmp: Path, edit: Callable[[Path], None]) -> Rebase:
     """`rebase v0.5.24 --dry-run`, then `rebase v0.5.24`, onto `edit`ed 0.5.23; where
-    it stops, `--drop` the dead code, then `--continue` past the review, to land it.
+    it stops, `--continue` past the review, then `--drop` the dead code, to land it.
     Each test asserts what it is about (a mutation of the tool fails the tests it
     breaks, not the fixture)."""
     home = tmp / "home"
@@ -182,17 +186,17 @@ def rebased(tmp: Path, edit: Callable[[Path], None]) -> Rebase:
         _report(state.fork),
         ran.stdout + ran.stderr,
     )
-    state.review_code, state.review, state.review_output = state.code, state.report, state.output
+    state.dead_code, state.dead, state.dead_output = state.code, state.report, state.output
     if state.code == 1:
-        dropped = state.tool("rebase", "--drop", "upstream decides SM12x first")
-        state.review_code, state.review = dropped.returncode, _report(state.fork)
-        state.review_output = dropped.stdout + dropped.stderr
-    state.landed_code, state.landed = state.review_code, state.review
-    state.landed_output = state.review_output
-    if state.review_code == 1:
         kept = state.tool("rebase", "--continue", "--note", "the refusal still holds")
-        state.landed_code, state.landed = kept.returncode, _report(state.fork)
-        state.landed_output = kept.stdout + kept.stderr
+        state.dead_code, state.dead = kept.returncode, _report(state.fork)
+        state.dead_output = kept.stdout + kept.stderr
+    state.landed_code, state.landed = state.dead_code, state.dead
+    state.landed_output = state.dead_output
+    if state.dead_code == 1:
+        dropped = state.tool("rebase", "--drop", "upstream decides SM12x first")
+        state.landed_code, state.landed = dropped.returncode, _report(state.fork)
+        state.landed_output = dropped.stdout + dropped.stderr
     return state
 
 
@@ -267,14 +271,17 @@ def test_the_same_decision_in_other_code_is_upstreamed_by_its_rows(rebase: Rebas
 
 
 def test_a_patch_upstream_made_dead_code_stops_the_rebase(rebase: Rebase) -> None:
-    assert (rebase.code, rebase.report["result"]) == (1, "conflict"), rebase.output
-    names = [p["name"] for p in rebase.report["patches"]]  # type: ignore[attr-defined]
-    statuses = [_status(rebase.report, name)["status"] for name in names]
-    at = names.index(AUTO_MARLIN)
+    """After the review is settled, the rebase stops at the auto-fit patch: it
+    applies, but changes no row's outcome on 0.5.24, and its rows fail."""
+    assert (rebase.dead_code, rebase.dead["result"]) == (1, "conflict"), rebase.dead_output
+    names = [p["name"] for p in rebase.dead["patches"]]  # type: ignore[attr-defined]
+    statuses = [_status(rebase.dead, name)["status"] for name in names]
+    at = names.index(AUTO_FIT)
     assert statuses[at] == "conflict" and set(statuses[at + 1 :]) == {"pending"}, statuses
-    detail = str(_status(rebase.report, AUTO_MARLIN)["detail"])
-    assert "carried (clean, by exact), then stopped: dead code on 0.5.24" in detail, detail
-    cell = 'llama_dense_tp1:modelopt_quant.nvfp4_moe_runner_backend sm120: expected "marlin"'
+    detail = str(_status(rebase.dead, AUTO_FIT)["detail"])
+    assert "then stopped: dead code on 0.5.24" in detail, detail
+    situ = "nvfp4_moe_layer_fit_tp1:modelopt_quant.nvfp4_moe_runner_backend[situ]"
+    cell = f'{situ} sm120: expected "marlin"'
     assert cell in detail, detail
 
 
@@ -282,7 +289,7 @@ def test_a_dry_run_predicts_the_same_stop(rebase: Rebase) -> None:
     """The held-out releases were first fed through `--dry-run`: it goes on past the
     stop, so the patches after it are predicted, not pending."""
     assert (rebase.dry_code, rebase.dry["result"]) == (1, "dry-run"), rebase.dry_output
-    stopped = _status(rebase.dry, AUTO_MARLIN)
+    stopped = _status(rebase.dry, AUTO_FIT)
     assert stopped["status"] == "conflict", stopped
     assert "then stopped: dead code on 0.5.24" in str(stopped["detail"]), stopped
     assert (_status(rebase.dry, OLMO2)["status"], _status(rebase.dry, EXAONE)["status"]) == (
@@ -291,14 +298,14 @@ def test_a_dry_run_predicts_the_same_stop(rebase: Rebase) -> None:
     )
     stops = {p["name"] for p in rebase.dry["patches"] if p["status"] == "conflict"}  # type: ignore[attr-defined]
     pending = [p["name"] for p in rebase.dry["patches"] if p["status"] == "pending"]  # type: ignore[attr-defined]
-    assert (stops, pending) == ({AUTO_MARLIN, MOE_FIT}, []), rebase.dry_output
+    assert (stops, pending) == ({AUTO_FIT, MOE_FIT}, []), rebase.dry_output
 
 
 def test_a_refusal_upstream_now_resolves_otherwise_stops_for_a_person(rebase: Rebase) -> None:
-    """(d) also changes how upstream resolves a case the MoE-fit patch refuses: after the
-    dead code is dropped, the rebase stops there with both resolutions."""
-    assert (rebase.review_code, rebase.review["result"]) == (1, "conflict"), rebase.review_output
-    stopped = _status(rebase.review, MOE_FIT)
+    """(d) also changes how upstream resolves a case the MoE-fit patch refuses: the
+    rebase stops there first, with both resolutions."""
+    assert (rebase.code, rebase.report["result"]) == (1, "conflict"), rebase.output
+    stopped = _status(rebase.report, MOE_FIT)
     detail = str(stopped["detail"])
     assert stopped["status"] == "conflict", stopped
     assert "it still refuses where upstream 0.5.24 now resolves the case otherwise" in detail
@@ -308,7 +315,7 @@ def test_a_refusal_upstream_now_resolves_otherwise_stops_for_a_person(rebase: Re
 def test_after_landing_the_fork_is_consistent(rebase: Rebase) -> None:
     """Every other patch verified, the stopped one dropped, and `check` green at once."""
     assert (rebase.landed_code, rebase.landed["result"]) == (0, "complete"), rebase.landed_output
-    assert _status(rebase.landed, AUTO_MARLIN)["status"] == "dropped"
+    assert _status(rebase.landed, AUTO_FIT)["status"] == "dropped"
     carried = [p for p in rebase.landed["patches"] if p["status"] not in ("upstreamed", "dropped")]  # type: ignore[attr-defined]
     untested = table.load_table([a.name for a in spec.load_archs()]).untested
     unverified = [p["name"] for p in carried if not str(p["verified"]).startswith("verified")]
@@ -316,7 +323,7 @@ def test_after_landing_the_fork_is_consistent(rebase: Rebase) -> None:
     kept = _status(rebase.landed, MOE_FIT)
     assert str(kept["verified"]).startswith("verified by a person (`--continue`)"), kept
     series = (rebase.fork / "patches" / "series").read_text()
-    assert OLMO2 not in series and AUTO_MARLIN not in series, series
+    assert OLMO2 not in series and AUTO_FIT not in series, series
     check = rebase.tool("check")
     assert check.returncode == 0, check.stdout + check.stderr
     stale = {s["patch"] for s in rebase.landed.get("stale_intents", [])}  # type: ignore[attr-defined]
