@@ -16,24 +16,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import stat
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from sm120fork import gitcmd
+from sm120fork.rebase import fastimport
 
-_IDENTITY = {
-    "GIT_AUTHOR_NAME": "sm120fork rebase",
-    "GIT_AUTHOR_EMAIL": "rebase@sm120fork.invalid",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+00:00",
-    "GIT_COMMITTER_NAME": "sm120fork rebase",
-    "GIT_COMMITTER_EMAIL": "rebase@sm120fork.invalid",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+00:00",
-}
 _CONFIG = {
     # Checking a release out creates 5700 files; on a virtual disk that is kernel time
     # spent waiting, which git's parallel checkout overlaps (one worker a core).
@@ -48,61 +39,6 @@ _CONFIG = {
     "rerere.enabled": "false",
 }
 _EXCLUDE = "__pycache__/\n*.pyc\n"
-_EPOCH = 946684800  # the identity's date, 2000-01-01T00:00:00+00:00
-_SCRATCH_REF = b"refs/sm120fork/commit-dir"
-
-
-def _quoted(path: bytes) -> bytes:
-    # fast-import reads a path starting with '"' as C-quoted; quoting always is exact.
-    return b'"' + path.replace(b"\\", b"\\\\").replace(b'"', b'\\"').replace(b"\n", b"\\n") + b'"'
-
-
-Listed = tuple[bytes, bytes, bytes | None, bytes, int]  # path, mode, link target, file, size
-
-
-def _listed(tree: Path) -> list[Listed]:
-    """Every file and link of `tree` as `git add` sees them (the owner's execute bit, a
-    link's target; no `.git` inside), without reading a file."""
-    found: list[Listed] = []
-    pending = [(os.fsencode(tree), b"")]
-    while pending:
-        folder, rel = pending.pop()
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                path = rel + entry.name
-                if entry.is_symlink():
-                    target = os.fsencode(Path(os.fsdecode(entry.path)).readlink())
-                    found.append((path, b"120000", target, b"", len(target)))
-                elif entry.is_dir():
-                    if entry.name != b".git":
-                        pending.append((entry.path, path + b"/"))
-                elif entry.is_file():
-                    info = entry.stat(follow_symlinks=False)
-                    mode = b"100755" if info.st_mode & stat.S_IXUSR else b"100644"
-                    found.append((path, mode, None, entry.path, info.st_size))
-                # a fifo or socket: git add skips it too
-    return found
-
-
-def _file_commands(tree: Path) -> list[bytes]:
-    """fast-import's `M` command for every file and link of `tree`, data inline. The
-    files are read on a few threads: opening 5700 files is mostly waiting on the disk."""
-    found = _listed(tree)
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        datas = pool.map(_read_or_link, found)
-        commands: list[bytes] = []
-        for (path, mode, _, _, _), data in zip(found, datas, strict=True):
-            commands += [b"M ", mode, b" inline ", _quoted(path)]
-            commands += [b"\ndata %d\n" % len(data), data, b"\n"]
-    return commands
-
-
-def _read_or_link(item: Listed) -> bytes:
-    _, _, link_target, file, _ = item
-    if link_target is not None:
-        return link_target
-    with open(file, "rb") as handle:
-        return handle.read()
 
 
 @dataclass(frozen=True)
@@ -112,7 +48,7 @@ class WorkRepo:
     def git(
         self, *args: str, check: bool = True, input: bytes | None = None
     ) -> subprocess.CompletedProcess[bytes]:
-        return gitcmd.run(args, self.root, check=check, env=_IDENTITY, input=input)
+        return gitcmd.run(args, self.root, check=check, env=fastimport.IDENTITY, input=input)
 
     def out(self, *args: str) -> str:
         return self.git(*args).stdout.decode("utf-8", "replace").strip()
@@ -136,7 +72,7 @@ class WorkRepo:
         release is 5700 files; on a slow file system creating them was most of a rebase's
         set-up)."""
         # the tree is `tree` alone, not the parent's plus it
-        return self._fast_import(message, parent, [b"deleteall\n", *_file_commands(tree)])
+        return self._fast_import(message, parent, [b"deleteall\n", *fastimport.file_commands(tree)])
 
     def commit_known(
         self, tree: Path, known: Mapping[str, gitcmd.Blob], parent: str | None, message: str
@@ -146,11 +82,11 @@ class WorkRepo:
         blobs readable here: `borrow_objects`). None when a file is not known so, or a
         known blob is missing: `commit_dir` then."""
         commands: list[bytes] = [b"deleteall\n"]
-        for path, mode, _, _, size in _listed(tree):
+        for path, mode, _, _, size in fastimport.listed(tree):
             blob = known.get(os.fsdecode(path))
             if blob is None or (blob.mode, blob.size) != (mode.decode(), size):
                 return None
-            commands += [b"M ", mode, b" ", blob.oid.encode(), b" ", _quoted(path), b"\n"]
+            commands += [b"M ", mode, b" ", blob.oid.encode(), b" ", fastimport.quoted(path), b"\n"]
         try:
             return self._fast_import(message, parent, commands)
         except gitcmd.GitError:  # a blob the borrowed store no longer has
@@ -188,7 +124,7 @@ class WorkRepo:
         for number, (message, changes) in enumerate(series, start=1):
             commands: list[bytes] = []
             for path, text in sorted(changes.items()):
-                quoted = _quoted(path.encode("utf-8"))
+                quoted = fastimport.quoted(path.encode("utf-8"))
                 if text is None:
                     commands += [b"D ", quoted, b"\n"]
                     modes.pop(path, None)  # re-created later: a new file
@@ -198,38 +134,15 @@ class WorkRepo:
                 commands += [b"M ", mode, b" inline ", quoted, b"\ndata %d\n" % len(data)]
                 commands += [data, b"\n"]
             from_ = parent if number == 1 else f":{number - 1}"
-            commits.append(self._commit_command(number, message, from_, commands))
-        return self._run_fast_import(commits, len(series))
+            commits.append(fastimport.commit_command(number, message, from_, commands))
+        return self._run_fast_import(commits)
 
     def _fast_import(self, message: str, parent: str | None, commands: list[bytes]) -> str:
-        """One commit of `commands` (fast-import's file commands) on `parent`, with the
-        work repository's identity and date: the id `git commit` would give it."""
-        return self._run_fast_import([self._commit_command(1, message, parent, commands)], 1)[0]
+        """One commit of `commands` (fast-import's file commands) on `parent`."""
+        return self._run_fast_import([fastimport.commit_command(1, message, parent, commands)])[0]
 
-    @staticmethod
-    def _commit_command(mark: int, message: str, parent: str | None, files: list[bytes]) -> bytes:
-        """fast-import's `commit` of `files` on `parent` (a commit id or `:mark`)."""
-        head = [b"commit ", _SCRATCH_REF, b"\nmark :%d\n" % mark]
-        for who in ("AUTHOR", "COMMITTER"):
-            name, email = _IDENTITY[f"GIT_{who}_NAME"], _IDENTITY[f"GIT_{who}_EMAIL"]
-            head.append(f"{who.lower()} {name} <{email}> {_EPOCH} +0000\n".encode())
-        text = (message + "\n").encode("utf-8")
-        head += [b"data %d\n" % len(text), text]
-        if parent:
-            head.append(f"from {parent}\n".encode())
-        return b"".join([*head, *files, b"\n"])
-
-    def _run_fast_import(self, commits: list[bytes], count: int) -> list[str]:
-        """Run fast-import on `commits` (marked 1..count): their ids, in mark order."""
-        marks = self.root / ".git" / "sm120fork-commit-dir.marks"
-        stream = b"".join([b"reset ", _SCRATCH_REF, b"\n", *commits])
-        # No deltas, light compression: a scratch pack, written once and thrown away
-        # (for a release, 1 s and 22 MB; with fast-import's deltas, 2.1 s and 20 MB).
-        fast_import = ["-c", "core.compression=1", "fast-import", "--quiet", "--force", "--depth=0"]
-        self.git(*fast_import, f"--export-marks={marks}", input=stream)
-        marked = dict(line.split() for line in marks.read_text().splitlines())
-        marks.unlink()
-        return [marked[f":{number}"] for number in range(1, count + 1)]
+    def _run_fast_import(self, commits: list[bytes]) -> list[str]:
+        return fastimport.run(self.git, self.root / ".git", commits)
 
     def checkout(self, commit: str) -> None:
         """Make the work tree exactly `commit`, whatever state a crash left it in."""
