@@ -36,17 +36,21 @@ import typing
 from enum import Enum
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from sm120fork.harness import trees
 
 torch = pytest.importorskip("torch")
 flashinfer = pytest.importorskip("flashinfer")
-from flashinfer.trace.templates.moe import (  # noqa: E402
+Tensor = Any  # Tensor: the tool's type check runs without torch
+from flashinfer.trace.templates.moe import (  # type: ignore[import-not-found]  # noqa: E402
     _b12x_fused_moe_reference,
     _dequantize_fp4_tensor,
 )
-from flashinfer.trace.templates.quantize import _fp4_quantize_reference  # noqa: E402
+from flashinfer.trace.templates.quantize import (  # type: ignore[import-not-found]  # noqa: E402
+    _fp4_quantize_reference,
+)
 
 WEIGHTS = "sglang/srt/layers/moe/b12x_weights.py"
 RUNNER = "sglang/srt/layers/moe/moe_runner/flashinfer_b12x.py"
@@ -68,31 +72,32 @@ def patched(gate_trees: dict[str, trees.Tree], tmp_path_factory: pytest.TempPath
 def prep(patched: Path) -> ModuleType:
     """layers/moe/b12x_weights.py of the patched tree (torch only: loadable on a CPU)."""
     spec = importlib.util.spec_from_file_location("b12x_weights_under_test", patched / WEIGHTS)
+    assert spec is not None and spec.loader is not None, patched / WEIGHTS
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def _quantize(w: torch.Tensor, amax=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize(w: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """ModelOpt NVFP4 of one [rows, K] weight: (FP4 uint8, E4M3 scales, weight_scale_2)."""
     scale_2 = (w.abs().max() if amax is None else amax).float() / (FP4_MAX * E4M3_MAX)
     packed, scales = _fp4_quantize_reference(w, global_scale=(1.0 / scale_2).reshape(1))
     return packed, scales, scale_2
 
 
-def _dequant(packed: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+def _dequant(packed: Tensor, scales: Tensor, scale_2: Tensor) -> Tensor:
     return _dequantize_fp4_tensor(packed, scales, is_ue8m0_scales=False) * scale_2
 
 
 def _checkpoint(
     experts: int, hidden: int, inter: int, gated: bool, seed: int, tied: bool = True
-) -> dict:
+) -> dict[str, Tensor]:
     """Random experts as a ModelOpt checkpoint loads into sglang ([gate, up] rows).
 
     ``tied``: gate and up share one weight_scale_2 (one amax over both, as exported
     fused layers have); untied halves get their own, and their magnitudes differ."""
     gen = torch.Generator().manual_seed(seed)
-    layer: dict[str, list] = {
+    layer: dict[str, list[Tensor]] = {
         k: [] for k in ("w13", "s13", "s13_2", "w2", "s2", "s2_2", "deq13", "deq2")
     }
     for e in range(experts):
@@ -117,7 +122,9 @@ def _checkpoint(
     return out
 
 
-def _routing(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
+def _routing(
+    tokens: int, experts: int, top_k: int, hidden: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(tokens, hidden, generator=gen)).to(torch.bfloat16)
     logits = torch.randn(tokens, experts, generator=gen)
@@ -125,13 +132,15 @@ def _routing(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
     return x, ids.to(torch.int32), weights.float()
 
 
-def _fc2_input(act: torch.Tensor) -> torch.Tensor:
+def _fc2_input(act: Tensor) -> Tensor:
     """The kernel's per-block FP4 quantization of the FC2 input, global scale 1."""
     packed, scales = _fp4_quantize_reference(act, global_scale=torch.ones(1))
     return _dequantize_fp4_tensor(packed, scales, is_ue8m0_scales=False)
 
 
-def _torch_moe(x, ids, weights, w13, w2, activation: str) -> torch.Tensor:
+def _torch_moe(
+    x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, activation: str
+) -> Tensor:
     """Plain MoE on dequantized [gate, up] (or relu2) weights."""
     out = torch.zeros(x.shape[0], w2.shape[1])
     a = x.float()
@@ -148,15 +157,15 @@ def _torch_moe(x, ids, weights, w13, w2, activation: str) -> torch.Tensor:
     return out
 
 
-def _mma_to_logical(sf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def _mma_to_logical(sf: Tensor, rows: int, cols: int) -> Tensor:
     """6-D MMA scales -> [E, rows, cols/16] E4M3 (FlashInfer's own inverse)."""
     groups = sf.shape[5]
     logical = sf.permute(5, 2, 1, 0, 4, 3).contiguous().reshape(groups, -1, sf.shape[4] * 4)
     return logical[:, :rows, : cols // 16].view(torch.float8_e4m3fn)
 
 
-def _prepare(prep: ModuleType, ckpt: dict, gated: bool) -> dict:
-    return prep.prepare_b12x_nvfp4_moe_weights(
+def _prepare(prep: ModuleType, ckpt: dict[str, Tensor], gated: bool) -> dict[str, Any]:
+    view: dict[str, Any] = prep.prepare_b12x_nvfp4_moe_weights(
         ckpt["w13"],
         ckpt["s13"],
         ckpt["s13_2"].squeeze(-1) if not gated else ckpt["s13_2"],
@@ -167,9 +176,10 @@ def _prepare(prep: ModuleType, ckpt: dict, gated: bool) -> dict:
         is_gated=gated,
         device=torch.device("cpu"),
     )
+    return view
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+def _rel_err(got: Tensor, want: Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
@@ -177,7 +187,9 @@ SWIGLU_SHAPES = [(4, 128, 64, 2), (3, 96, 192, 2), (8, 256, 128, 4)]
 
 
 @pytest.mark.parametrize(("experts", "hidden", "inter", "top_k"), SWIGLU_SHAPES)
-def test_swiglu_prep_matches_flashinfer_reference(prep, experts, hidden, inter, top_k) -> None:
+def test_swiglu_prep_matches_flashinfer_reference(
+    prep: ModuleType, experts: int, hidden: int, inter: int, top_k: int
+) -> None:
     ckpt = _checkpoint(experts, hidden, inter, gated=True, seed=experts * hidden + inter)
     x, ids, weights = _routing(5, experts, top_k, hidden, seed=inter)
     view = _prepare(prep, ckpt, gated=True)
@@ -201,7 +213,7 @@ def test_swiglu_prep_matches_flashinfer_reference(prep, experts, hidden, inter, 
     assert torch.equal(view["input_global_scale"], ckpt["input_scale"].max().reshape(1))
 
 
-def test_untied_gate_up_scales_share_one_alpha(prep) -> None:
+def test_untied_gate_up_scales_share_one_alpha(prep: ModuleType) -> None:
     """Gate and up with different weight_scale_2: b12x takes one alpha per expert, so
     the smaller half's block scales absorb the ratio. Their E4M3 rounding (up to 1/16
     per block) costs ~8% here; ignoring or inverting the ratio costs 40% and more."""
@@ -230,7 +242,9 @@ def test_untied_gate_up_scales_share_one_alpha(prep) -> None:
 
 
 @pytest.mark.parametrize(("experts", "hidden", "inter"), [(4, 128, 96), (2, 64, 256)])
-def test_relu2_prep_matches_dequantized_moe(prep, experts, hidden, inter) -> None:
+def test_relu2_prep_matches_dequantized_moe(
+    prep: ModuleType, experts: int, hidden: int, inter: int
+) -> None:
     ckpt = _checkpoint(experts, hidden, inter, gated=False, seed=hidden + inter)
     x, ids, weights = _routing(4, experts, 2, hidden, seed=inter)
     view = _prepare(prep, ckpt, gated=False)
@@ -245,9 +259,9 @@ def test_relu2_prep_matches_dequantized_moe(prep, experts, hidden, inter) -> Non
     assert _rel_err(got, want) < 1e-5
 
 
-def test_view_has_flashinfers_keys(prep) -> None:
+def test_view_has_flashinfers_keys(prep: ModuleType) -> None:
     """The same weight view flashinfer.fused_moe.prepare_b12x_nvfp4_weights documents."""
-    import flashinfer.fused_moe.prepare as fi_prepare
+    import flashinfer.fused_moe.prepare as fi_prepare  # type: ignore[import-not-found]
 
     doc = inspect.getsource(fi_prepare.prepare_b12x_nvfp4_weights)
     ckpt = _checkpoint(2, 64, 64, gated=True, seed=3)
@@ -261,7 +275,7 @@ def _module_ast(path: Path) -> ast.Module:
     return ast.parse(path.read_text())
 
 
-def _literal(tree: ast.Module, name: str):
+def _literal(tree: ast.Module, name: str) -> Any:
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == name for t in node.targets
@@ -315,7 +329,7 @@ def test_fp4_gemm_backend_binds_to_mm_fp4(patched: Path) -> None:
     enum_def = next(
         n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Fp4GemmRunnerBackend"
     )
-    namespace: dict = {"Enum": Enum}
+    namespace: dict[str, Any] = {"Enum": Enum}
     exec(compile(ast.Module(body=[enum_def], type_ignores=[]), FP4_UTILS, "exec"), namespace)
     backend = namespace["Fp4GemmRunnerBackend"]("flashinfer_b12x").get_flashinfer_backend()
     signature = inspect.signature(flashinfer.mm_fp4)
@@ -327,4 +341,4 @@ def test_fp4_gemm_backend_binds_to_mm_fp4(patched: Path) -> None:
     ]
     assert calls, "ModelOpt no longer calls mm_fp4 as flashinfer_fp4_gemm"
     for call in calls:
-        signature.bind(*range(len(call.args)), **{k.arg: backend for k in call.keywords})
+        signature.bind(*range(len(call.args)), **{str(k.arg): backend for k in call.keywords})

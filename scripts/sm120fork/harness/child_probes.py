@@ -333,7 +333,7 @@ def probe_nvfp4_moe(server_args: Any) -> Observation:
 
 
 # Layers an NVFP4 MoE runner may not serve: field suffix -> MoeRunnerConfig fields.
-NVFP4_MOE_LAYERS = {
+NVFP4_MOE_LAYERS: dict[str, dict[str, Any]] = {
     "situ": {"activation": "situ"},
     "router_on_input": {"apply_router_weight_on_input": True},
 }

@@ -80,6 +80,9 @@ def kernel_lines(
         value = _value(fork, field)
         if value is None:
             continue
+        faster: str | None
+        flag: str | None
+        evidence: str | None
         faster, flag, evidence = FASTER[(kind, arch)]
         if faster == value or (kind == "MoE" and not b12x_serves):
             faster = flag = evidence = None
