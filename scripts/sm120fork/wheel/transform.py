@@ -6,8 +6,8 @@ wheel's own members, which must equal vendor/sglang for every file a patch
 touches. Unchanged members are copied with their compressed bytes; the
 dist-info (and any .data directory) is renamed to the fork version, METADATA
 is rewritten, the patch list is added and RECORD is computed anew, last.
-When the series adds the doctor, its known-bad table and console script come too
-(wheel/doctor.py).
+When the series adds the doctor, its known-bad table and its command (a wheel
+script) come too (wheel/doctor.py).
 """
 
 from __future__ import annotations
@@ -113,6 +113,9 @@ def fork_wheel(
                 )
             changes[name] = data
     entry_points = f"{upstream.dist_info}/entry_points.txt"
+    if with_doctor and entry_points in upstream.by_name:
+        where = f"{upstream.archive.name}: {entry_points}"
+        doctor.refuse_console_script(upstream.verified(entry_points)[1], where)
 
     def renamed(name: str) -> str:
         top, _, rest = name.partition("/")
@@ -146,18 +149,21 @@ def fork_wheel(
             new = changes[name]
             if new is not None:
                 write(name, deflate(new, date_time, executable=member.executable), new)
-        elif name == entry_points and with_doctor:
-            text = doctor.entry_points(data, f"{upstream.archive.name}: {name}")
-            write(renamed(name), deflate(text, date_time), text)
         elif name == f"{upstream.dist_info}/METADATA":
             metadata = fork_metadata(data, info, f"{upstream.archive.name}: {name}")
             write(renamed(name), deflate(metadata, date_time), metadata)
         else:
             write(renamed(name), member, data, hash_)
     write_added()
-    if with_doctor and entry_points not in upstream.by_name:
-        text = doctor.entry_points(None, entry_points)
-        write(f"{new_prefix}.dist-info/entry_points.txt", deflate(text, date_time), text)
+    if with_doctor:
+        script, source = doctor.script_member(changes, f"{new_prefix}.data")
+        if script in map(renamed, upstream.by_name):
+            raise FatalError(
+                f"{script} is already in the wheel; the fork adds it from "
+                f"{doctor.LAUNCHER}: remove it from the series"
+            )
+        write(script, deflate(source, date_time, executable=True), source)
+        changes[script] = source
     listing = patches_json(info)
     write(f"{new_prefix}.dist-info/{PATCHES_FILE}", deflate(listing, date_time), listing)
     record_name = f"{new_prefix}.dist-info/RECORD"
