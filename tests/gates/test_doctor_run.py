@@ -7,6 +7,8 @@ upstream wheel as this gate environment installed it (its RECORD lists and hashe
 every file, so the transform checks each one as it would the downloaded wheel);
 the fresh venv gets the wheel's files, and torch and the other dependencies
 through a .pth to the gate environment, placed after the venv's own packages.
+A second venv sees the gate environment without numpy, so that `import sglang`
+fails there as it did on a lent H200 with torch only: the command must still run.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def installed_upstream_wheel(out: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    scratch = tmp_path_factory.mktemp("doctor-run")
+def fork(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    scratch = tmp_path_factory.mktemp("doctor-wheel")
     paths = RepoPaths(REPO_ROOT)
     lock = lockfile.read(paths.lock_file)
     assert lock is not None
@@ -87,7 +89,11 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
             known_bad=(paths.patches_dir / "known-bad.toml").read_bytes(),
         )
     upstream.unlink()
-    root = scratch / "venv"
+    return fork
+
+
+def install(fork: Path, root: Path, dependencies: Path) -> Path:
+    """A fresh venv at `root` with the fork wheel, and `dependencies` through a .pth."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
     python = root / "bin" / "python"
     subprocess.run(
@@ -106,7 +112,6 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ],
         check=True,
     )
-    fork.unlink()
     own = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         check=True,
@@ -114,8 +119,26 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         text=True,
     ).stdout.strip()
     # torch, rich and sglang's other dependencies, after the venv's own packages
-    Path(own, "zz-gate-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    Path(own, "zz-gate-env.pth").write_text(f"{dependencies}\n")
     return root
+
+
+@pytest.fixture(scope="module")
+def venv(fork: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("doctor-run") / "venv"
+    return install(fork, root, Path(sysconfig.get_paths()["purelib"]))
+
+
+@pytest.fixture(scope="module")
+def venv_without_numpy(fork: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The gate environment's packages but numpy, which sglang/__init__.py needs."""
+    scratch = tmp_path_factory.mktemp("doctor-run-no-numpy")
+    site = Path(sysconfig.get_paths()["purelib"])
+    (scratch / "deps").mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith("numpy"):
+            (scratch / "deps" / entry.name).symlink_to(entry)
+    return install(fork, scratch / "venv", scratch / "deps")
 
 
 def doctor(venv: Path, cwd: Path, *args: str, **environ: str) -> tuple[int, dict[str, Any]]:
@@ -205,3 +228,35 @@ def test_on_a_faked_h200_it_is_upstream_behaviour(venv: Path, tmp_path: Path) ->
         report, "gpus"
     )
     assert code == 0 and report["verdict"] == "ready"
+
+
+def test_where_sglang_does_not_import_the_command_still_runs(
+    venv_without_numpy: Path, tmp_path: Path
+) -> None:
+    """The launcher registers sglang without its __init__.py and reports the import
+    error: a failure even on a GPU outside SM12x, since such an sglang cannot serve."""
+    env = {
+        "LD_LIBRARY_PATH": str(doctorpkg.stand_in_nvml(tmp_path)),
+        **doctorpkg.faked_gpus(1, "9.0", "NVIDIA H200", 143771, cuda="12080"),
+    }
+    model = REPO_ROOT / "gatetable" / "models" / "llama_dense"
+    code, report = doctor(venv_without_numpy, tmp_path, "--", "--model-path", str(model), **env)
+    [(level, summary)] = summaries(report, "sglang")
+    assert (level, summary) == (
+        "fail",
+        "sglang does not import: ModuleNotFoundError: No module named 'numpy'",
+    )
+    assert code == 2 and report["verdict"] == "will fail"
+    assert [(g["name"], g["major"], g["minor"]) for g in report["facts"]["gpus"]] == [
+        ("NVIDIA H200", 9, 0)
+    ]
+    assert ("note", "not SM12x: sm_90 (NVIDIA H200); upstream behaviour") in summaries(
+        report, "gpus"
+    )
+    assert report["facts"]["versions"]["sglang"] == VERSION
+    [(_, decided)] = summaries(report, "decisions")
+    assert (
+        decided == "cannot decide the serve arguments: sglang does not import (ModuleNotFoundError)"
+    )
+    fix = next(f["fix"] for f in report["findings"] if f["check"] == "sglang")
+    assert str(venv_without_numpy) in fix
