@@ -142,6 +142,7 @@ def venv_without_numpy(fork: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def doctor(venv: Path, cwd: Path, *args: str, **environ: str) -> tuple[int, dict[str, Any]]:
+    """The installed command; with args starting "-m", the venv's python runs them."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -149,7 +150,9 @@ def doctor(venv: Path, cwd: Path, *args: str, **environ: str) -> tuple[int, dict
     }
     env.update(environ)
     done = subprocess.run(
-        [str(venv / "bin" / "sglang-sm120-doctor"), "--json", *args],
+        [str(venv / "bin" / "python"), *args[:2], "--json", *args[2:]]
+        if args[:1] == ("-m",)
+        else [str(venv / "bin" / "sglang-sm120-doctor"), "--json", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -168,6 +171,9 @@ def test_the_installed_command_tells_this_cpu_machine_the_truth(venv: Path, tmp_
     code, report = doctor(venv, tmp_path)
     assert report["facts"]["versions"]["sglang"] == VERSION  # the wheel's, not the checkout's
     assert report["facts"]["packages"]["sglang"].startswith(str(venv))
+    assert not summaries(report, "sglang")  # it imports here: nothing to report
+    python_m = doctor(venv, tmp_path, "-m", "sglang.sm120_doctor")  # the same doctor
+    assert python_m[0] == code and python_m[1]["findings"] == report["findings"]
     # Asked in a fresh interpreter: this process may hold the harness's stand-in
     # NVML, loaded by an earlier test under the same soname.
     probe = "import ctypes; ctypes.CDLL('libnvidia-ml.so.1')"
