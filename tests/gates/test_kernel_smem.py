@@ -4,8 +4,10 @@ test_selected_kernels_fit: every Triton launch the SM12x decisions select for th
 families of scenarios.toml (Triton extend/decode attention incl. MLA decode, the vision
 encoder's Triton prefill, the Triton fused-MoE kernel at each config sglang's lookup
 returns for the family's expert shapes, the Triton block-FP8 GEMM where the dispatch
-can reach it), enumerated and compiled by the `kernel_fit` probe
-(sm120fork/harness/kernel_probes.py) in faked sm120/sm121 children of each tested tree.
+can reach it, the TileLang sparse-MLA kernels of DSA models where a DSA role resolves to
+`tilelang`), enumerated and compiled by the `kernel_fit` probe
+(sm120fork/harness/kernel_probes.py, dsa_launches.py) in faked sm120/sm121 children of
+each tested tree.
 
 The figures the patch headers cite (sm120-triton-attention-tiles, sm120-nsa-guard) come
 from here: each kernel of vendor/sglang is compiled (Triton) or lowered (TileLang) for
@@ -140,6 +142,7 @@ REACHED = {
     "vision prefill attention": ("prefill_attention._fwd_kernel", ""),
     "fused MoE": ("fused_moe_triton_kernels.fused_moe_kernel", ""),
     "block-FP8 GEMM": ("fp8_kernel._w8a8_block_fp8_matmul", ""),
+    "DSA TileLang sparse MLA (FP8 KV)": ("tilelang_kernel.sparse_mla_fwd_decode_partial_fp8", ""),
 }
 
 

@@ -1,5 +1,6 @@
 """Child side: every Triton kernel launch an SM12x decision selects for a scenario's
-model, compiled for sm_120 on the CPU, with the shared memory the compiled kernel needs.
+model, compiled for sm_120 on the CPU, with the shared memory the compiled kernel needs
+(and the TileLang DSA kernels, lowered by ``dsa_launches``).
 
 Loaded by ``child_probes.py`` (standard library and torch at import; sglang and Triton
 inside the probe). The launches are enumerated, not listed: the scenario's resolved
@@ -18,9 +19,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:
-    from . import gemm_launches
+    from . import dsa_launches, gemm_launches
     from .kernel_compile import Compiler, call_by_name, idx, imp, meta
 else:  # loaded by child.py as a script: this directory is sys.path[0]
+    import dsa_launches
     import gemm_launches
     from kernel_compile import Compiler, call_by_name, idx, imp, meta
 
@@ -37,7 +39,8 @@ def _resolved(server_args: Any) -> dict[str, Any]:
 
 
 DECISIONS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
-             "moe_runner_backend", "kv_cache_dtype", "tp_size", "ep_size")  # fmt: skip
+             "moe_runner_backend", "kv_cache_dtype", "tp_size", "ep_size",
+             *dsa_launches.ROLES)  # fmt: skip
 
 
 def _kv_dtype(values: dict[str, Any]) -> Any:
@@ -133,6 +136,7 @@ def kernel_fit(server_args: Any, dispatch_fp8: Callable[[Any, list[int]], str]) 
     with compiler.catching():
         _attention(compiler, values, model, tp)
         _vision(compiler, model)
+        dsa_launches.sparse_mla(compiler, values, model, tp)
         gemm_launches.moe(compiler, values, model, server_args)
         gemm_launches.fp8_gemm(compiler, model, tp, lambda block: dispatch_fp8(server_args, block))
     records = sorted(compiler.records.values(), key=lambda r: -r["shared"])
