@@ -143,6 +143,7 @@ REACHED = {
     "fused MoE": ("fused_moe_triton_kernels.fused_moe_kernel", ""),
     "block-FP8 GEMM": ("fp8_kernel._w8a8_block_fp8_matmul", ""),
     "DSA TileLang sparse MLA (FP8 KV)": ("tilelang_kernel.sparse_mla_fwd_decode_partial_fp8", ""),
+    "DSA Triton sparse-MLA prefill": ("triton_sparse_mla_prefill._sparse_mla_prefill_kernel", ""),
 }
 
 
@@ -216,7 +217,7 @@ def test_selected_kernels_fit(
         over = {key: lines for key, lines in over.items() if key not in fixed}
     lines = [line for found in over.values() for line in found]
     assert not lines, (
-        f"{tree_label}: {len(lines)} selected Triton launches exceed SM12x's per-block shared "
+        f"{tree_label}: {len(lines)} selected Triton/TileLang launches exceed SM12x's per-block shared "
         "memory (fix the tiles with a patch, or refuse the configuration):\n" + "\n".join(lines)
     )
 
@@ -235,3 +236,24 @@ def test_selected_kernels_cover_the_table(
         )
     ]
     assert not missing, f"{tree_label}: no selected launch of {', '.join(missing)}"
+
+
+def test_triton_sparse_mla_prefill_steps_down_on_sm12x(
+    tmp_path: Any, gate_trees: dict[str, trees.Tree], zygote_pool: runner.ZygotePool
+) -> None:
+    """sparse_mla_prefill retries smaller tiles on OutOfResources: GLM-5 at TP2 (32 heads
+    a rank) overflows SM120 with the pinned BLOCK_N=64, so the probe must record the
+    tile it steps down to (fits) and not the one it stepped down from."""
+    patched = next((t for t in gate_trees.values() if t.mode == trees.PATCHED), None)
+    tree = patched or trees.build_patched_tree(tmp_path / "tree")
+    args = {"tp_size": 2, "dsa_prefill_backend": "triton_sparse_mla"}
+    scenario = spec.Scenario("glm5_tp2_triton_sparse_mla", "glm5_fp8", args, ("kernel_fit",))
+    run = runner.run_matrices(
+        {"tree": tree.path}, (SM120,), [scenario], scratch=tmp_path / "run", zygotes=zygote_pool
+    )["tree"]
+    launches = [
+        r for _, _, r in _launches(run) if r["kernel"].endswith("_sparse_mla_prefill_kernel")
+    ]
+    assert [(r["tiles"], r["shared"] <= LIMIT) for r in launches] == [
+        ({"BLOCK_H": 32, "BLOCK_N": 32}, True)
+    ], launches

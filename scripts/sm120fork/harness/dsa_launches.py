@@ -1,13 +1,20 @@
-"""Child side: the TileLang sparse-MLA kernels a DSA scenario selects (`tilelang` as its
-resolved --dsa-prefill-backend or --dsa-decode-backend), lowered for sm_120 on the CPU
-with the tested tree's TileLang, with the dynamic shared memory each needs.
+"""Child side: the sparse-MLA kernels a DSA scenario's resolved backends select, with
+the shared memory each needs on sm_120, measured on the CPU. Nothing runs.
 
-The tiles are upstream's own choice: the tested tree's `tilelang_sparse_fwd` (the call
-dsa_backend's `_forward_tilelang` makes for both roles) runs on meta tensors shaped from
-the model config (query heads per rank, kv_lora_rank + rope dims, index_topk, the KV
-cache dtype) with each TileLang kernel factory replaced by a recorder: it lowers the real
-factory's TIR for sm_120, records the result, and hands back a stand-in kernel. Nothing
-runs. Standard library only at import; torch, sglang and TileLang inside.
+The tiles are upstream's own choice: the tested tree's entry points (the calls
+dsa_backend makes) run on meta tensors shaped from the model config (query heads per
+rank, kv_lora_rank + rope dims, index_topk, the KV cache dtype) under the faked GPU:
+- `tilelang` (either role): `tilelang_sparse_fwd`, each TileLang kernel factory
+  replaced by a recorder that lowers the real factory's TIR for sm_120 and hands back a
+  stand-in kernel;
+- `triton_sparse_mla` (prefill): `sparse_mla_prefill`, its Triton launches compiled by
+  the Compiler. That launcher steps down to smaller tiles on OutOfResources, so here a
+  launch over the GPU's per-block limit fails as it would on the GPU: the tiles it
+  stepped down from are dropped, the one that fits is recorded, and when none fits the
+  overflowing launches stay recorded (the request would fail).
+Another DSA backend with a Triton or TileLang kernel (`triton`) fails the probe until it
+is modelled here. Standard library only at import; torch, sglang, Triton and TileLang
+inside.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:
@@ -23,6 +31,7 @@ else:  # loaded by child.py as a script: this directory is sys.path[0]
     from kernel_compile import TARGET_CAPABILITY, Compiler, imp, meta
 
 MODULE = "sglang.kernels.ops.attention.dsa.tilelang_kernel"
+PREFILL = "sglang.kernels.ops.attention.dsa.triton_sparse_mla_prefill"
 # The factories tilelang_sparse_fwd may call (a name the tree lacks is skipped).
 FACTORIES = (
     "sparse_attention_fwd_kernel_v1",
@@ -72,47 +81,91 @@ def _recorder(compiler: Compiler, name: str, factory: Any) -> Callable[..., Any]
 
 
 @contextmanager
-def _recording(compiler: Compiler, module: Any) -> Iterator[None]:
-    torch = imp("torch")
-    saved = {name: getattr(module, name) for name in FACTORIES if hasattr(module, name)}
-    properties = torch.cuda.get_device_properties
-    for name, factory in saved.items():
-        setattr(module, name, _recorder(compiler, name, factory))
-    # The kernel asks the (faked) GPU for its SM count through the meta tensor's device.
-    torch.cuda.get_device_properties = lambda device=None: properties(0)
+def _on_device_zero() -> Iterator[None]:
+    """Device queries made through a meta tensor's device answer for (faked) GPU 0."""
+    cuda = imp("torch").cuda
+    properties, capability = cuda.get_device_properties, cuda.get_device_capability
+    cuda.get_device_properties = lambda device=None: properties(0)
+    cuda.get_device_capability = lambda device=None: capability(0)
     try:
         yield
     finally:
-        torch.cuda.get_device_properties = properties
+        cuda.get_device_properties, cuda.get_device_capability = properties, capability
+
+
+@contextmanager
+def _recording(compiler: Compiler, module: Any) -> Iterator[None]:
+    saved = {name: getattr(module, name) for name in FACTORIES if hasattr(module, name)}
+    for name, factory in saved.items():
+        setattr(module, name, _recorder(compiler, name, factory))
+    try:
+        yield
+    finally:
         for name, factory in saved.items():
             setattr(module, name, factory)
 
 
+def _stepping_down(compiler: Compiler, launch: Callable[[], Any]) -> None:
+    """Run a launcher that catches OutOfResources and retries smaller tiles."""
+    errors = imp("triton.runtime.errors")
+    limit = int(imp("torch").cuda.get_device_properties(0).shared_memory_per_block_optin)
+    before = {key: len(record["cases"]) for key, record in compiler.records.items()}
+    compiler.raise_over = limit
+    try:
+        launch()
+    except errors.OutOfResources:
+        return  # no tile fits: the overflowing launches stay recorded
+    finally:
+        compiler.raise_over = None
+    for key, record in list(compiler.records.items()):
+        if record["shared"] > limit:  # stepped down from: never runs
+            if key in before:
+                del record["cases"][before[key] :]
+            else:
+                del compiler.records[key]
+
+
 def sparse_mla(compiler: Compiler, values: dict[str, Any], model: Any, tp: int) -> list[str]:
-    """Record each TileLang kernel the scenario's DSA roles select; the cases it covered."""
+    """Record each kernel the scenario's DSA roles select; the cases it covered."""
     config_module = imp("sglang.srt.configs.model_config")
     hf = model.hf_config
-    roles = [role for role in ROLES if values.get(role) == "tilelang"]
-    if not roles or not config_module.is_deepseek_dsa(hf):
+    roles = {role: values.get(role) for role in ROLES}
+    if not config_module.is_deepseek_dsa(hf):
         return []
+    unmodelled = {role: b for role, b in roles.items() if b == "triton" or (
+        b == "triton_sparse_mla" and role != "dsa_prefill_backend")}  # fmt: skip
+    if unmodelled:
+        raise NotImplementedError(f"kernel_fit does not model the DSA kernels of {unmodelled}")
     torch = imp("torch")
     heads = max(1, model.num_attention_heads // tp)
     d_v, rope = model.kv_lora_rank, model.qk_rope_head_dim
     topk = -(-config_module.get_dsa_index_topk(hf) // 64) * 64  # dsa_backend pads to 64
     fp8 = str(values.get("kv_cache_dtype")).startswith("fp8")
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    module = imp(MODULE)
     cases = []
-    with _recording(compiler, module):
-        for role in roles:
+    with _on_device_zero():
+        for role, backend in roles.items():
             tokens = TOKENS[role]
-            compiler.case = f"dsa_{role.split('_')[1]}[tilelang,T={tokens},h={heads},{kv_dtype}]"
-            module.tilelang_sparse_fwd(
-                q=meta(tokens, heads, d_v + rope),
-                kv=meta(tokens, 1, d_v + rope, dtype=kv_dtype),
-                indices=meta(tokens, 1, topk, dtype=torch.int32),
-                sm_scale=0.1,
-                d_v=d_v,
-            )
+            phase = role.split("_")[1]
+            if backend == "tilelang":
+                module = imp(MODULE)
+                compiler.case = f"dsa_{phase}[tilelang,T={tokens},h={heads},{kv_dtype}]"
+                with _recording(compiler, module):
+                    module.tilelang_sparse_fwd(
+                        q=meta(tokens, heads, d_v + rope),
+                        kv=meta(tokens, 1, d_v + rope, dtype=kv_dtype),
+                        indices=meta(tokens, 1, topk, dtype=torch.int32),
+                        sm_scale=0.1,
+                        d_v=d_v,
+                    )
+            elif backend == "triton_sparse_mla":  # the KV cache reaches it dequantized: bf16
+                union = int(values.get("dsa_triton_union") or 0)
+                compiler.case = f"dsa_{phase}[triton_sparse_mla,T={tokens},h={heads},union={union}]"
+                q, kv = meta(tokens, heads, d_v + rope), meta(tokens, 1, d_v + rope)
+                indices = meta(tokens, 1, topk, dtype=torch.int32)
+                prefill = imp(PREFILL).sparse_mla_prefill
+                _stepping_down(compiler, partial(prefill, q, kv, indices, 0.1, d_v, union=union))
+            else:
+                continue
             cases.append(compiler.case)
     return cases

@@ -30,6 +30,9 @@ class Compiler:
     def __init__(self) -> None:
         self.records: dict[str, dict[str, Any]] = {}
         self.case = ""
+        # Set while a launcher that steps down on OutOfResources runs: a launch over
+        # this many bytes then fails as the real launch would (see dsa_launches).
+        self.raise_over: int | None = None
         compiler, backends = imp("triton.compiler"), imp("triton.backends.compiler")
         self.target = backends.GPUTarget("cuda", TARGET_CAPABILITY, 32)
         self.backend = compiler.make_backend(self.target)
@@ -57,19 +60,22 @@ class Compiler:
                     options.num_warps, options.num_stages))  # fmt: skip
         if key in self.records:
             self.records[key]["cases"].append(self.case)
-            return
-        if key not in _SHARED:  # compiled once per child, for all its scenarios
-            src = imp("triton.compiler").ASTSource(fn, signature, constexprs, attrs)
-            compiled = triton.compile(src, target=self.target, options=options.__dict__)
-            _SHARED[key] = int(compiled.metadata.shared)
-        self.records[key] = {
-            "kernel": kernel,
-            "tiles": tiles,
-            "num_warps": options.num_warps,
-            "num_stages": options.num_stages,
-            "shared": _SHARED[key],
-            "cases": [self.case],
-        }
+        else:
+            if key not in _SHARED:  # compiled once per child, for all its scenarios
+                src = imp("triton.compiler").ASTSource(fn, signature, constexprs, attrs)
+                compiled = triton.compile(src, target=self.target, options=options.__dict__)
+                _SHARED[key] = int(compiled.metadata.shared)
+            self.records[key] = {
+                "kernel": kernel,
+                "tiles": tiles,
+                "num_warps": options.num_warps,
+                "num_stages": options.num_stages,
+                "shared": _SHARED[key],
+                "cases": [self.case],
+            }
+        if self.raise_over is not None and _SHARED[key] > self.raise_over:
+            errors = imp("triton.runtime.errors")
+            raise errors.OutOfResources(_SHARED[key], self.raise_over, "shared memory")
 
     @contextmanager
     def catching(self) -> Iterator[None]:
