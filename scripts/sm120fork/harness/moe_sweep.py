@@ -245,17 +245,9 @@ NVFP4_LOAD_RUNNERS = frozenset({"flashinfer_cutlass", "flashinfer_b12x", "marlin
 LOAD_FIELD = "modelopt_quant.nvfp4_moe_runner_backend"
 
 
-# Cells the patched tree is known to decide wrongly (issue 28's findings, not yet
-# fixed): cell name -> what happens. The sweep expects them to fail until fixed.
-_OVERRIDE_TRITON_KERNEL = (
-    "the model override picks triton_kernel (quantization still None at override time), "
-    "which has no {fmt} MoE kernels; sm12x_moe_runner_fit keeps it"
-)
-KNOWN_WRONG: dict[str, str] = {
-    f"sweep:{arch}:{fmt}": _OVERRIDE_TRITON_KERNEL.format(fmt=fmt)
-    for arch in ("GptOssForCausalLM", "InternS2MobiusForConditionalGeneration")
-    for fmt in ("nvfp4", "nvfp4_ct", "mxfp8")
-}
+# Cells the patched tree is known to decide wrongly (findings not yet fixed): cell
+# name -> what happens. test_moe_sweep expects each to fail until it is fixed.
+KNOWN_WRONG: dict[str, str] = {}
 
 
 def verdict(cell: Cell, obs: Mapping[str, Any] | None) -> str | None:
