@@ -21,6 +21,7 @@ SM12X = [a for a in ARCHS if a.capability[0] == 12]
 UPSTREAM = [a for a in ARCHS if a.capability[0] != 12]
 CELLS = moe_sweep.cells()
 Observed = dict[str, dict[str, dict[str, Any]]]  # tree label -> arch -> scenario -> obs
+UNEXPECTED_SMI: list[str] = []  # nvidia-smi calls the fake could not answer, per child
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +52,10 @@ def sweep(
         for label, run in runs.items():
             for arch, scenario_obs in run.observations.items():
                 observed[label][arch] = dict(scenario_obs)
+            for child in run.runs.values():
+                log = child.log.with_name("nvidia-smi-unexpected.log")
+                if log.is_file():
+                    UNEXPECTED_SMI.append(f"{label} {child.arch}: {log.read_text().strip()}")
     return observed
 
 
@@ -112,6 +117,11 @@ def test_upstream_archs_unchanged(sweep: Observed, gate_trees: dict[str, trees.T
         if obs != sweep[base][arch].get(name)
     ]
     assert not differ, "\n".join(differ[:20])
+
+
+def test_fake_nvidia_smi_answered_every_cell(sweep: Observed) -> None:
+    """A query the fake cannot answer means a cell decided on a broken fake."""
+    assert sweep and not UNEXPECTED_SMI, "\n".join(UNEXPECTED_SMI)
 
 
 def test_every_cell_observed(sweep: Observed) -> None:

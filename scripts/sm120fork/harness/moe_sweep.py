@@ -3,13 +3,12 @@ expert format, on every faked architecture, each cell one decision.
 
 The families are read from the vendored tree, not listed: every class a
 ``srt/models/*.py`` module that builds fused experts exports as ``EntryClass``, and
-every architecture a model override (``arg_groups/model_overrides/*.py``,
-``_register_for(...)``) names. Each is crossed with the expert formats (``FORMATS``)
-and the SM100-only runners a user can force (``FORCED``). A cell's config is a real
-one of ``gatetable/models/`` with the same architecture (its quantization replaced),
-else a synthetic Mixtral-shaped one carrying the architecture name
-(``SYNTHETIC_BASE``): the MoE decision reads the architecture, the model source and
-the quantization, not the shapes. Standard library only.
+every architecture a model override (``model_overrides/*.py``, ``_register_for``)
+names; crossed with the expert formats (``FORMATS``) and the SM100-only runners a user
+can force (``FORCED``). A cell's config is its family's real one of ``gatetable/models/``
+(or a sibling's, see ``_base``; quantization replaced), else a synthetic Mixtral-shaped
+one (``SYNTHETIC_BASE``): the MoE decision reads the architecture, the model source
+and the quantization, not the shapes. Standard library only.
 """
 
 from __future__ import annotations
@@ -75,11 +74,9 @@ FORMATS: dict[str, dict[str, Any] | None] = {
 # SM100-only runners a user can force (--moe-runner-backend), each with the format it
 # serves upstream: flashinfer 0.7.2 fused_moe/cute_dsl/fused_moe.py
 # supported_compute_capability([100, 103, 107]); trtllm-gen cubins are SM100-family only.
-FORCED = {
-    "flashinfer_trtllm": "nvfp4",
-    "flashinfer_trtllm_routed": "nvfp4",
-    "flashinfer_cutedsl": "nvfp4",
-}
+FORCED = dict.fromkeys(
+    ("flashinfer_trtllm", "flashinfer_trtllm_routed", "flashinfer_cutedsl"), "nvfp4"
+)
 
 SYNTHETIC_BASE: dict[str, Any] = {
     "model_type": "mixtral",
@@ -111,6 +108,7 @@ class Family:
     architecture: str
     source: str  # "models/x.py", "override:x.py" or both, joined by " + "
     base: str | None  # the real config of gatetable/models it derives from, None: synthetic
+    router_on_input: bool = False  # its experts scale the input by the router weight
 
 
 @dataclass(frozen=True)
@@ -165,10 +163,28 @@ def families(srt: Path = SRT, models_dir: Path = MODELS_DIR) -> tuple[Family, ..
         for arch in _registered(ast.parse(path.read_text(encoding="utf-8"))):
             sources.setdefault(arch, []).append(f"override:{path.name}")
     bases = _real_bases(models_dir)
+    texts = {p.stem: p.read_text(encoding="utf-8") for p in (srt / "models").glob("*.py")}
     return tuple(
-        Family(arch, " + ".join(dict.fromkeys(where)), _base(arch, where, sources, bases))
+        Family(
+            arch,
+            " + ".join(dict.fromkeys(where)),
+            _base(arch, where, sources, bases),
+            _router_on_input(arch, texts),
+        )
         for arch, where in sorted(sources.items())
     )
+
+
+def _router_on_input(arch: str, texts: dict[str, str]) -> bool:
+    """Whether the module defining the class, or a sglang model module it imports,
+    builds experts with apply_router_weight_on_input=True (Llama 4's do)."""
+    defines = re.compile(rf"^class {re.escape(arch)}\b", re.M)
+    for text in texts.values():
+        if defines.search(text):
+            imported = re.findall(r"from sglang\.srt\.models\.(\w+) import", text)
+            sources = [text, *(texts[name] for name in imported if name in texts)]
+            return any(re.search(r"apply_router_weight_on_input\s*=\s*True", t) for t in sources)
+    return False
 
 
 def _base(
@@ -222,13 +238,13 @@ def scenarios(chosen: tuple[Cell, ...], where: Path) -> list[Scenario]:
     return out
 
 
-# What ends an SM12x cell well. Argument-time runners with SM12x kernels per expert
-# format (auto: the load-time method decides; for ModelOpt NVFP4 the `nvfp4_moe`
-# probe reads its choice, which must be one of NVFP4_LOAD_RUNNERS). flashinfer 0.7.2
-# jit/fused_moe.py gen_cutlass_fused_moe_sm120_module builds its CUTLASS MoE with
-# ENABLE_BF16/FP8/FP4; triton and triton_kernel are Triton (compiled for the GPU);
-# Fp8MoEMethod runs a triton_kernel choice on triton ("has no %s path", fp8.py);
-# marlin and flashinfer_b12x are SM12x builds (sm120-b12x-moe-runner.patch).
+# What ends an SM12x cell well: a runner with SM12x kernels for the format. auto: the
+# load-time method decides (ModelOpt NVFP4: probe `nvfp4_moe`, one of NVFP4_LOAD_RUNNERS;
+# compressed-tensors NVFP4: CUTLASS unless trtllm is asked for, use_flashinfer_trtllm in
+# compressed_tensors_w4a4_nvfp4_moe.py). flashinfer 0.7.2 jit/fused_moe.py
+# gen_cutlass_fused_moe_sm120_module builds CUTLASS MoE with ENABLE_BF16/FP8/FP4; triton,
+# triton_kernel are Triton; Fp8MoEMethod runs triton_kernel on triton (fp8.py "has no %s
+# path"); marlin and flashinfer_b12x are SM12x builds (sm120-b12x-moe-runner.patch).
 SM12X_RUNNERS: dict[str, frozenset[str]] = {
     "bf16": frozenset({"auto", "triton", "triton_kernel", "flashinfer_cutlass"}),
     "fp8": frozenset({"auto", "triton", "deep_gemm", "triton_kernel", "flashinfer_cutlass"}),
@@ -243,6 +259,10 @@ SM12X_RUNNERS: dict[str, frozenset[str]] = {
 FIXED_EXPERTS = {"DeepseekV4ForCausalLM": "mxfp4"}
 NVFP4_LOAD_RUNNERS = frozenset({"flashinfer_cutlass", "flashinfer_b12x", "marlin"})
 LOAD_FIELD = "modelopt_quant.nvfp4_moe_runner_backend"
+# NVFP4 runners that do not serve apply_router_weight_on_input: flashinfer_cutlass
+# asserts on it (modelopt_quant.py, compressed_tensors_w4a4_nvfp4_moe.py: "not
+# supported for Flashinfer"); marlin ignores it (check_moe_marlin_supports_layer).
+ROUTER_BLIND = frozenset({"flashinfer_cutlass", "marlin"})
 
 
 # Cells the patched tree is known to decide wrongly (findings not yet fixed): cell
@@ -270,7 +290,11 @@ def verdict(cell: Cell, obs: Mapping[str, Any] | None) -> str | None:
     if runner not in SM12X_RUNNERS[fmt]:
         return f"moe_runner_backend {runner!r} has no SM12x {fmt} MoE kernels"
     if fmt == "nvfp4" and runner == "auto":
-        loaded = obs.get(LOAD_FIELD)
-        if loaded not in NVFP4_LOAD_RUNNERS:
-            return f"auto resolves at load to {loaded!r}, not an SM12x NVFP4 runner"
+        runner = obs.get(LOAD_FIELD)
+        if runner not in NVFP4_LOAD_RUNNERS:
+            return f"auto resolves at load to {runner!r}, not an SM12x NVFP4 runner"
+    if fmt == "nvfp4_ct" and runner == "auto":
+        runner = "flashinfer_cutlass"  # the method's CUTLASS path unless trtllm is asked for
+    if fmt.startswith("nvfp4") and cell.family.router_on_input and runner in ROUTER_BLIND:
+        return f"{runner} cannot apply the router weight on the input ({cell.family.source})"
     return None
