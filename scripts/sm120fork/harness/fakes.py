@@ -23,7 +23,9 @@ All are generated at test-setup time into a scratch directory (never committed):
   doctor reads (``SM120_GATE_SMI_*`` and ``SM120_GATE_NVML_*``).
 * ``nvidia-smi``: ``get_nvgpu_memory_capacity`` and ``get_device_sm_nvidia_smi`` run
   it. The fake answers ``--query-gpu=`` with the architecture's values, read from
-  ``SM120_GATE_SMI_*`` environment variables the runner sets per child.
+  ``SM120_GATE_SMI_*`` environment variables the runner sets per child, and
+  ``driver_version`` (``get_nvidia_driver_version``: GPT-OSS's bf16 MoE runner on
+  Blackwell) with ``SMI_DRIVER``, an R580 driver (CUDA 13.0, the gate env's torch).
 """
 
 from __future__ import annotations
@@ -267,6 +269,7 @@ while [ "$i" -lt "${SM120_GATE_SMI_COUNT:-1}" ]; do
       compute_cap) value="$SM120_GATE_SMI_COMPUTE_CAP" ;;
       name) value="$SM120_GATE_SMI_NAME" ;;
       index) value="$i" ;;
+      driver_version) value="$SM120_GATE_SMI_DRIVER" ;;
       *) echo "fake nvidia-smi: unknown field $field" >&2
          [ -n "$SM120_GATE_SMI_LOG" ] && echo "field $field" >> "$SM120_GATE_SMI_LOG"
          exit 9 ;;

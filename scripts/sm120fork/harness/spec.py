@@ -39,6 +39,10 @@ SERIES_FILE = REPO_ROOT / "patches" / "series"
 VENDOR_PYTHON = REPO_ROOT / "vendor" / "sglang" / "python"
 
 
+# The driver the fake nvidia-smi reports: R580 ships CUDA 13.0 (the gate env's torch).
+SMI_DRIVER = "580.95.05"
+
+
 class SpecError(ValueError):
     """A data file of the gate tests is malformed; the message says where."""
 
@@ -67,6 +71,7 @@ class Arch:
             "SM120_GATE_SMI_MEMORY_MIB": str(self.values["smi_memory"]),
             "SM120_GATE_SMI_COMPUTE_CAP": f"{major}.{minor}",
             "SM120_GATE_SMI_NAME": str(self.values["device_name"]),
+            "SM120_GATE_SMI_DRIVER": SMI_DRIVER,
         }
 
 
