@@ -217,8 +217,9 @@ def test_selected_kernels_fit(
         over = {key: lines for key, lines in over.items() if key not in fixed}
     lines = [line for found in over.values() for line in found]
     assert not lines, (
-        f"{tree_label}: {len(lines)} selected Triton/TileLang launches exceed SM12x's per-block shared "
-        "memory (fix the tiles with a patch, or refuse the configuration):\n" + "\n".join(lines)
+        f"{tree_label}: {len(lines)} selected Triton/TileLang launches exceed SM12x's "
+        "per-block shared memory (fix the tiles with a patch, or refuse the configuration):\n"
+        + "\n".join(lines)
     )
 
 

@@ -179,7 +179,7 @@ class _Records(logging.Handler):
 def pcie_allreduce(first_module: Any, call_by_name: Any, describe: Any, plain: Any) -> Observation:
     """Which allreduce backends a tensor-parallel group would build on faked hosts:
     pcie_ipc_ar.eligible_group (FlashInfer PCIe-IPC) and custom allreduce. The helpers
-    are child_probes' (_first_module, _call_by_name, describe, plain)."""
+    are probe_support's (first_module, call_by_name, describe, plain)."""
     module_name, pcie_ipc = first_module(PCIE_IPC, "eligible_group")
     logger = logging.getLogger(module_name)
     out: Observation = {}

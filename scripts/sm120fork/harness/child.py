@@ -34,12 +34,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:
-    from . import child_probes
+    from . import child_probes, probe_support
+    from .torch_fakes import fake_hardware
 else:  # run as a script by runner.py: this directory is sys.path[0]
     import child_probes
+    import probe_support
+    from torch_fakes import fake_hardware
 
 Observation = dict[str, Any]
-MISSING = child_probes.MISSING
+MISSING = probe_support.MISSING
 HARNESS_FAILURE_EXIT = 3
 
 # ServerArgs fields recorded for every scenario that builds ServerArgs. A field
@@ -72,78 +75,6 @@ SERVER_ARGS_FIELDS = (
 
 class HarnessFailure(Exception):
     """The harness cannot observe this release faithfully: the child exits non-zero."""
-
-
-# --------------------------------------------------------------------------- fakes
-
-
-class FakeDeviceProperties:
-    """Stands in for torch._C._CudaDeviceProperties (same attribute names)."""
-
-    def __init__(self, arch: dict[str, Any]) -> None:
-        major, minor = arch["capability"]
-        self.name: str = arch["device_name"]
-        self.major: int = major
-        self.minor: int = minor
-        self.total_memory: int = arch["total_memory_mib"] * 1024 * 1024
-        self.multi_processor_count: int = arch["sm_count"]
-        self.shared_memory_per_block: int = 48 * 1024
-        self.shared_memory_per_block_optin: int = arch["smem_per_block_optin_kib"] * 1024
-        self.shared_memory_per_multiprocessor: int = arch["smem_per_sm_kib"] * 1024
-        self.L2_cache_size: int = arch["l2_cache_mib"] * 1024 * 1024
-        self.max_threads_per_multi_processor: int = 2048 if major < 12 else 1536
-        self.regs_per_multiprocessor: int = 65536
-        self.warp_size: int = 32
-        self.is_integrated: bool = bool(arch.get("integrated", False))
-        self.is_multi_gpu_board: bool = False
-        self.gcnArchName: str = "NVIDIA"
-        self.uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
-        self.pci_bus_id: int = 0
-        self.pci_device_id: int = 0
-        self.pci_domain_id: int = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"_CudaDeviceProperties(name='{self.name}', major={self.major}, "
-            f"minor={self.minor}, total_memory={self.total_memory // 2**20}MB, "
-            f"multi_processor_count={self.multi_processor_count})"
-        )
-
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(".")[:2])
-
-
-def fake_hardware(arch: dict[str, Any]) -> dict[str, Any]:
-    """Install the fake GPU at the torch.cuda / torch.version boundary."""
-    torch = importlib.import_module("torch")
-    major, minor = arch["capability"]
-    props = FakeDeviceProperties(arch)
-    count = int(arch["device_count"])
-    total = props.total_memory
-
-    installed = torch.version.cuda
-    # torchvision refuses a torch.version.cuda whose major differs from its build:
-    # keep the installed build's value whenever it already satisfies the arch.
-    if installed and _version_tuple(installed) >= _version_tuple(arch["min_cuda"]):
-        cuda_version = installed
-    else:
-        cuda_version = arch["min_cuda"]
-
-    cuda = torch.cuda
-    cuda.is_available = lambda: True
-    cuda.device_count = lambda: count
-    cuda.current_device = lambda: 0
-    cuda.set_device = lambda device: None
-    cuda.get_device_capability = lambda device=None: (major, minor)
-    cuda.get_device_name = lambda device=None: props.name
-    cuda.get_device_properties = lambda device=None: props
-    cuda.mem_get_info = lambda device=None: (total, total)
-    cuda.get_arch_list = lambda: ["sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
-    cuda.synchronize = lambda device=None: None
-    torch.version.cuda = cuda_version
-    torch.version.hip = None
-    return {"torch": torch.__version__, "torch.version.cuda": cuda_version}
 
 
 # --------------------------------------------------------------------------- ServerArgs
@@ -207,7 +138,7 @@ def platform_facts(arch: dict[str, Any]) -> dict[str, Any]:
     for helper in ("is_sm90_supported", "is_sm100_supported", "is_sm120_supported"):
         if hasattr(common, helper):
             facts[helper] = bool(getattr(common, helper)())
-    if child_probes.module_exists("sglang.srt.runtime_context"):
+    if probe_support.module_exists("sglang.srt.runtime_context"):
         context = importlib.import_module("sglang.srt.runtime_context")
         if hasattr(context, "get_platform"):
             platform = context.get_platform()
@@ -258,10 +189,10 @@ def run_scenario(scenario: dict[str, Any]) -> Observation:
             except HarnessFailure:
                 raise
             except Exception as exc:
-                obs["error"] = child_probes.describe(exc)["raises"]
+                obs["error"] = probe_support.describe(exc)["raises"]
                 return obs
             for name in SERVER_ARGS_FIELDS:
-                obs[name] = child_probes.plain(values.get(name, MISSING))
+                obs[name] = probe_support.plain(values.get(name, MISSING))
             for key in sorted(set(os.environ) | set(environ)):
                 if os.environ.get(key) != environ.get(key) and key.startswith("SGLANG_"):
                     obs[f"env.{key}"] = os.environ.get(key)

@@ -81,19 +81,6 @@ def _recorder(compiler: Compiler, name: str, factory: Any) -> Callable[..., Any]
 
 
 @contextmanager
-def _on_device_zero() -> Iterator[None]:
-    """Device queries made through a meta tensor's device answer for (faked) GPU 0."""
-    cuda = imp("torch").cuda
-    properties, capability = cuda.get_device_properties, cuda.get_device_capability
-    cuda.get_device_properties = lambda device=None: properties(0)
-    cuda.get_device_capability = lambda device=None: capability(0)
-    try:
-        yield
-    finally:
-        cuda.get_device_properties, cuda.get_device_capability = properties, capability
-
-
-@contextmanager
 def _recording(compiler: Compiler, module: Any) -> Iterator[None]:
     saved = {name: getattr(module, name) for name in FACTORIES if hasattr(module, name)}
     for name, factory in saved.items():
@@ -143,29 +130,28 @@ def sparse_mla(compiler: Compiler, values: dict[str, Any], model: Any, tp: int) 
     fp8 = str(values.get("kv_cache_dtype")).startswith("fp8")
     kv_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     cases = []
-    with _on_device_zero():
-        for role, backend in roles.items():
-            tokens = TOKENS[role]
-            phase = role.split("_")[1]
-            if backend == "tilelang":
-                module = imp(MODULE)
-                compiler.case = f"dsa_{phase}[tilelang,T={tokens},h={heads},{kv_dtype}]"
-                with _recording(compiler, module):
-                    module.tilelang_sparse_fwd(
-                        q=meta(tokens, heads, d_v + rope),
-                        kv=meta(tokens, 1, d_v + rope, dtype=kv_dtype),
-                        indices=meta(tokens, 1, topk, dtype=torch.int32),
-                        sm_scale=0.1,
-                        d_v=d_v,
-                    )
-            elif backend == "triton_sparse_mla":  # the KV cache reaches it dequantized: bf16
-                union = int(values.get("dsa_triton_union") or 0)
-                compiler.case = f"dsa_{phase}[triton_sparse_mla,T={tokens},h={heads},union={union}]"
-                q, kv = meta(tokens, heads, d_v + rope), meta(tokens, 1, d_v + rope)
-                indices = meta(tokens, 1, topk, dtype=torch.int32)
-                prefill = imp(PREFILL).sparse_mla_prefill
-                _stepping_down(compiler, partial(prefill, q, kv, indices, 0.1, d_v, union=union))
-            else:
-                continue
-            cases.append(compiler.case)
+    for role, backend in roles.items():
+        tokens = TOKENS[role]
+        phase = role.split("_")[1]
+        if backend == "tilelang":
+            module = imp(MODULE)
+            compiler.case = f"dsa_{phase}[tilelang,T={tokens},h={heads},{kv_dtype}]"
+            with _recording(compiler, module):
+                module.tilelang_sparse_fwd(
+                    q=meta(tokens, heads, d_v + rope),
+                    kv=meta(tokens, 1, d_v + rope, dtype=kv_dtype),
+                    indices=meta(tokens, 1, topk, dtype=torch.int32),
+                    sm_scale=0.1,
+                    d_v=d_v,
+                )
+        elif backend == "triton_sparse_mla":  # the KV cache reaches it dequantized: bf16
+            union = int(values.get("dsa_triton_union") or 0)
+            compiler.case = f"dsa_{phase}[triton_sparse_mla,T={tokens},h={heads},union={union}]"
+            q, kv = meta(tokens, heads, d_v + rope), meta(tokens, 1, d_v + rope)
+            indices = meta(tokens, 1, topk, dtype=torch.int32)
+            prefill = imp(PREFILL).sparse_mla_prefill
+            _stepping_down(compiler, partial(prefill, q, kv, indices, 0.1, d_v, union=union))
+        else:
+            continue
+        cases.append(compiler.case)
     return cases
