@@ -144,6 +144,7 @@ REACHED = {
     "block-FP8 GEMM": ("fp8_kernel._w8a8_block_fp8_matmul", ""),
     "DSA TileLang sparse MLA (FP8 KV)": ("tilelang_kernel.sparse_mla_fwd_decode_partial_fp8", ""),
     "DSA Triton sparse-MLA prefill": ("triton_sparse_mla_prefill._sparse_mla_prefill_kernel", ""),
+    "DSA indexer FP8 quantization": ("act_quant_triton._act_quant_kernel", ""),
 }
 
 

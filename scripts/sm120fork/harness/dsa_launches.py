@@ -12,7 +12,8 @@ rank, kv_lora_rank + rope dims, index_topk, the KV cache dtype) under the faked 
   launch over the GPU's per-block limit fails as it would on the GPU: the tiles it
   stepped down from are dropped, the one that fits is recorded, and when none fits the
   overflowing launches stay recorded (the request would fail).
-Another DSA backend with a Triton or TileLang kernel (`triton`) fails the probe until it
+The indexer's Triton FP8 quantization (`act_quant`) runs for every DSA model. Another
+DSA backend with a Triton or TileLang kernel (`triton`) fails the probe until it
 is modelled here. Standard library only at import; torch, sglang, Triton and TileLang
 inside.
 """
@@ -32,6 +33,7 @@ else:  # loaded by child.py as a script: this directory is sys.path[0]
 
 MODULE = "sglang.kernels.ops.attention.dsa.tilelang_kernel"
 PREFILL = "sglang.kernels.ops.attention.dsa.triton_sparse_mla_prefill"
+INDEXER_QUANT = "sglang.kernels.ops.quantization.act_quant_triton"
 # The factories tilelang_sparse_fwd may call (a name the tree lacks is skipped).
 FACTORIES = (
     "sparse_attention_fwd_kernel_v1",
@@ -112,6 +114,16 @@ def _stepping_down(compiler: Compiler, launch: Callable[[], Any]) -> None:
                 del compiler.records[key]
 
 
+def _indexer_quant(compiler: Compiler, hf: Any) -> None:
+    """The indexer's FP8 quantization of its query and keys (act_quant_triton on CUDA,
+    whatever the attention backends): every DSA model runs it."""
+    heads, dim = int(hf.index_n_heads), int(hf.index_head_dim)
+    act_quant = imp(INDEXER_QUANT).act_quant
+    compiler.case = f"dsa_indexer[act_quant,heads={heads},d={dim}]"
+    act_quant(meta(64, heads, dim), 128, None)
+    act_quant(meta(64, dim), 128, None)
+
+
 def sparse_mla(compiler: Compiler, values: dict[str, Any], model: Any, tp: int) -> list[str]:
     """Record each kernel the scenario's DSA roles select; the cases it covered."""
     config_module = imp("sglang.srt.configs.model_config")
@@ -119,6 +131,7 @@ def sparse_mla(compiler: Compiler, values: dict[str, Any], model: Any, tp: int) 
     roles = {role: values.get(role) for role in ROLES}
     if not config_module.is_deepseek_dsa(hf):
         return []
+    _indexer_quant(compiler, hf)
     unmodelled = {role: b for role, b in roles.items() if b == "triton" or (
         b == "triton_sparse_mla" and role != "dsa_prefill_backend")}  # fmt: skip
     if unmodelled:
