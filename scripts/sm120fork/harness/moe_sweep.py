@@ -28,6 +28,7 @@ SRT = VENDOR_PYTHON / "sglang" / "srt"
 MOE_MARKERS = re.compile(r"\b(FusedMoE|get_moe_impl_class|EPMoE|DeepEPMoE|FlashInferFusedMoE)\b")
 
 _NVFP4_GROUP = {"num_bits": 4, "type": "float", "group_size": 16, "dynamic": False}
+_CT_GROUP = {**_NVFP4_GROUP, "strategy": "tensor_group", "symmetric": True}
 # expert format -> the quantization_config a checkpoint of it ships (None: bf16)
 FORMATS: dict[str, dict[str, Any] | None] = {
     "bf16": None,
@@ -50,13 +51,8 @@ FORMATS: dict[str, dict[str, Any] | None] = {
             "group_0": {
                 "format": "nvfp4-pack-quantized",
                 "targets": ["Linear"],
-                "weights": {**_NVFP4_GROUP, "strategy": "tensor_group", "symmetric": True},
-                "input_activations": {
-                    **_NVFP4_GROUP,
-                    "strategy": "tensor_group",
-                    "symmetric": True,
-                    "dynamic": "local",
-                },
+                "weights": _CT_GROUP,
+                "input_activations": {**_CT_GROUP, "dynamic": "local"},
             }
         },
         "ignore": ["re:.*lm_head"],
@@ -109,6 +105,7 @@ class Family:
     source: str  # "models/x.py", "override:x.py" or both, joined by " + "
     base: str | None  # the real config of gatetable/models it derives from, None: synthetic
     router_on_input: bool = False  # its experts scale the input by the router weight
+    with_bias: bool = False  # its experts have GEMM biases (GPT-OSS)
 
 
 @dataclass(frozen=True)
@@ -169,21 +166,22 @@ def families(srt: Path = SRT, models_dir: Path = MODELS_DIR) -> tuple[Family, ..
             arch,
             " + ".join(dict.fromkeys(where)),
             _base(arch, where, sources, bases),
-            _router_on_input(arch, texts),
+            _built_with(arch, texts, "apply_router_weight_on_input"),
+            _built_with(arch, texts, "with_bias"),
         )
         for arch, where in sorted(sources.items())
     )
 
 
-def _router_on_input(arch: str, texts: dict[str, str]) -> bool:
+def _built_with(arch: str, texts: dict[str, str], keyword: str) -> bool:
     """Whether the module defining the class, or a sglang model module it imports,
-    builds experts with apply_router_weight_on_input=True (Llama 4's do)."""
+    builds experts with `keyword`=True (Llama 4: apply_router_weight_on_input)."""
     defines = re.compile(rf"^class {re.escape(arch)}\b", re.M)
     for text in texts.values():
         if defines.search(text):
             imported = re.findall(r"from sglang\.srt\.models\.(\w+) import", text)
             sources = [text, *(texts[name] for name in imported if name in texts)]
-            return any(re.search(r"apply_router_weight_on_input\s*=\s*True", t) for t in sources)
+            return any(re.search(rf"\b{keyword}\s*=\s*True", t) for t in sources)
     return False
 
 
@@ -259,14 +257,14 @@ SM12X_RUNNERS: dict[str, frozenset[str]] = {
 FIXED_EXPERTS = {"DeepseekV4ForCausalLM": "mxfp4"}
 NVFP4_LOAD_RUNNERS = frozenset({"flashinfer_cutlass", "flashinfer_b12x", "marlin"})
 LOAD_FIELD = "modelopt_quant.nvfp4_moe_runner_backend"
-# NVFP4 runners that do not serve apply_router_weight_on_input: flashinfer_cutlass
-# asserts on it (modelopt_quant.py, compressed_tensors_w4a4_nvfp4_moe.py: "not
-# supported for Flashinfer"); marlin ignores it (check_moe_marlin_supports_layer).
+# NVFP4 runners without apply_router_weight_on_input: flashinfer_cutlass asserts on it
+# (modelopt_quant.py, compressed_tensors_w4a4_nvfp4_moe.py); marlin ignores it.
 ROUTER_BLIND = frozenset({"flashinfer_cutlass", "marlin"})
+# Formats whose MoE method creates no w13_weight_bias (ModelOpt and compressed-tensors
+# NVFP4; fp8.py, mxfp4.py do), so biases are dropped: a biased family must be refused.
+BIASLESS = frozenset({"nvfp4", "nvfp4_ct"})
 
-
-# Cells the patched tree is known to decide wrongly (findings not yet fixed): cell
-# name -> what happens. test_moe_sweep expects each to fail until it is fixed.
+# Findings not yet fixed: cell name -> what happens (test_moe_sweep expects a failure).
 KNOWN_WRONG: dict[str, str] = {}
 
 
@@ -297,4 +295,6 @@ def verdict(cell: Cell, obs: Mapping[str, Any] | None) -> str | None:
         runner = "flashinfer_cutlass"  # the method's CUTLASS path unless trtllm is asked for
     if fmt.startswith("nvfp4") and cell.family.router_on_input and runner in ROUTER_BLIND:
         return f"{runner} cannot apply the router weight on the input ({cell.family.source})"
+    if fmt in BIASLESS and cell.family.with_bias:
+        return f"{fmt} experts would drop the biases of {cell.family.source}"
     return None
