@@ -18,16 +18,18 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
-from sm120fork.harness import runner, spec, table, trees
+from sm120fork.harness import moe_sweep, runner, spec, table, trees
 
 from . import terminal
 
 RESULTS = pytest.StashKey[dict[str, list[tuple[table.Row, list[table.CellResult]]]]]()
 TREES = pytest.StashKey[dict[str, trees.Tree]]()
 _NAME = re.compile(r"[a-z][a-z0-9-]*")
+SWEEP_UNEXPECTED_SMI: list[str] = []  # nvidia-smi calls the fake could not answer, per child
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -192,3 +194,44 @@ def pytest_terminal_summary(
     tested: dict[str, trees.Tree] = config.stash.get(TREES, {})
     for line in terminal.summary(store, tested, every_arch=every_arch):
         terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def sweep(
+    tmp_path_factory: pytest.TempPathFactory,
+    gate_trees: dict[str, trees.Tree],
+    gate_archs: tuple[spec.Arch, ...],
+    zygote_pool: runner.ZygotePool,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The MoE sweep observed (tree label -> arch -> cell name -> observation): every
+    cell on each SM12x arch; on sm80..sm103, cell i on UPSTREAM[i % 5]. Judged by
+    test_moe_sweep.py; test_moe_forward.py runs the forward of what it resolved."""
+    every = spec.load_archs()
+    sm12x = [a for a in every if a.capability[0] == 12]
+    upstream = [a for a in every if a.capability[0] != 12]
+    where = tmp_path_factory.mktemp("moe-sweep")
+    scenarios = moe_sweep.scenarios(moe_sweep.cells(), where / "configs")
+    wanted = {a.name for a in gate_archs}
+    paths = {label: tree.path for label, tree in gate_trees.items()}
+    plan = [([a for a in sm12x if a.name in wanted], scenarios)]
+    plan += [
+        ([arch], scenarios[index :: len(upstream)])
+        for index, arch in enumerate(upstream)
+        if arch.name in wanted
+    ]
+    observed: dict[str, dict[str, dict[str, Any]]] = {label: {} for label in paths}
+    for number, (archs, chosen) in enumerate(plan):
+        if not archs:
+            continue
+        runs = runner.run_matrices(
+            paths, archs, chosen, scratch=where / f"run{number}", zygotes=zygote_pool
+        )
+        for label, run in runs.items():
+            for arch, scenario_obs in run.observations.items():
+                observed[label][arch] = dict(scenario_obs)
+            for child in run.runs.values():
+                log = child.log.with_name("nvidia-smi-unexpected.log")
+                if log.is_file():
+                    line = f"{label} {child.arch}: {log.read_text().strip()}"
+                    SWEEP_UNEXPECTED_SMI.append(line)
+    return observed

@@ -14,49 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sm120fork.harness import moe_sweep, runner, spec, trees
+from sm120fork.harness import moe_sweep, spec, trees
+
+from .conftest import SWEEP_UNEXPECTED_SMI
 
 ARCHS = spec.load_archs()
 SM12X = [a for a in ARCHS if a.capability[0] == 12]
 UPSTREAM = [a for a in ARCHS if a.capability[0] != 12]
 CELLS = moe_sweep.cells()
 Observed = dict[str, dict[str, dict[str, Any]]]  # tree label -> arch -> scenario -> obs
-UNEXPECTED_SMI: list[str] = []  # nvidia-smi calls the fake could not answer, per child
-
-
-@pytest.fixture(scope="session")
-def sweep(
-    tmp_path_factory: pytest.TempPathFactory,
-    gate_trees: dict[str, trees.Tree],
-    gate_archs: tuple[spec.Arch, ...],
-    zygote_pool: runner.ZygotePool,
-) -> Observed:
-    """Every cell on each SM12x arch; on sm80..sm103, cell i on UPSTREAM[i % 5]."""
-    where = tmp_path_factory.mktemp("moe-sweep")
-    scenarios = moe_sweep.scenarios(CELLS, where / "configs")
-    wanted = {a.name for a in gate_archs}
-    paths = {label: tree.path for label, tree in gate_trees.items()}
-    plan = [([a for a in SM12X if a.name in wanted], scenarios)]
-    plan += [
-        ([arch], scenarios[index :: len(UPSTREAM)])
-        for index, arch in enumerate(UPSTREAM)
-        if arch.name in wanted
-    ]
-    observed: Observed = {label: {} for label in paths}
-    for number, (archs, chosen) in enumerate(plan):
-        if not archs:
-            continue
-        runs = runner.run_matrices(
-            paths, archs, chosen, scratch=where / f"run{number}", zygotes=zygote_pool
-        )
-        for label, run in runs.items():
-            for arch, scenario_obs in run.observations.items():
-                observed[label][arch] = dict(scenario_obs)
-            for child in run.runs.values():
-                log = child.log.with_name("nvidia-smi-unexpected.log")
-                if log.is_file():
-                    UNEXPECTED_SMI.append(f"{label} {child.arch}: {log.read_text().strip()}")
-    return observed
+# The `sweep` fixture (conftest.py) is shared with test_moe_forward.py.
 
 
 def _patched(gate_trees: dict[str, trees.Tree]) -> list[str]:
@@ -121,7 +88,7 @@ def test_upstream_archs_unchanged(sweep: Observed, gate_trees: dict[str, trees.T
 
 def test_fake_nvidia_smi_answered_every_cell(sweep: Observed) -> None:
     """A query the fake cannot answer means a cell decided on a broken fake."""
-    assert sweep and not UNEXPECTED_SMI, "\n".join(UNEXPECTED_SMI)
+    assert sweep and not SWEEP_UNEXPECTED_SMI, "\n".join(SWEEP_UNEXPECTED_SMI)
 
 
 def test_every_cell_observed(sweep: Observed) -> None:
