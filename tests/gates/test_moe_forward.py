@@ -78,6 +78,17 @@ KNOWN_FAILING: dict[str, Known] = {
         "which has no SiTU",
         r"flashinfer_cutlass: apply: AssertionError: Activation 'situ'",
     ),
+    "cutlass-relu2-holds-more": Known(
+        "found here (SM121, Nemotron-H NVFP4 on flashinfer_cutlass): a non-gated layer at "
+        "I=192 holds 1.39x its expert bytes after loading (same class as item 2)",
+        r"flashinfer_cutlass: holds 1\.\d+x the checkpoint's expert bytes after loading",
+    ),
+    "fp8-triton-kernel-no-runner": Known(
+        "found here, not SM12x-specific: Fp8MoEMethod builds no runner for triton_kernel "
+        "(GPT-OSS's override) and apply() dereferences it",
+        r"triton_kernel: apply: AttributeError: 'NoneType' object has no attribute "
+        r"'runner_backend'",
+    ),
 }
 # What the dry run cannot run on a CPU; strict like KNOWN_FAILING.
 NOT_MODELLED: dict[str, Known] = {
@@ -90,6 +101,18 @@ NOT_MODELLED: dict[str, Known] = {
         "the triton_kernel runner reads TopK's own output type, which the dry run "
         "does not build",
         r"Triton-kernel runner expects TritonKernelTopKOutput",
+    ),
+    "flashinfer-jit-at-forward": Known(
+        "the forward JIT-builds a FlashInfer module ahead of the recorded entry point "
+        "(MXFP4 CUTLASS path): no CUDA toolchain here",
+        r"apply: RuntimeError: Ninja build failed",
+    ),
+    "dsv4-expert-method": Known(
+        "DeepSeek V4 builds its experts with its own method (FP4 experts whatever the "
+        "checkpoint declares); the dry run builds the checkpoint's",
+        r"Unsupported moe_runner_backend for NVFP4 MoE: MoeRunnerBackend.FLASHINFER_MXFP4"
+        r"|flashinfer_mxfp4: process: RuntimeError: MXFP8 MoE quantization requires SM100"
+        r"|build: ValueError: Mxfp4FlashinferCutlassMoEMethod requires hidden_size",
     ),
 }
 
@@ -148,8 +171,10 @@ def problems(result: Result) -> list[str]:
         return [result["missing"]]
     if "argument_time" in result:
         return []
-    if "refused" in result:
-        return [f"refused at the forward's argument time: {result['refused']}"]
+    if "refused" in result:  # a variant cell, resolved by the child itself
+        text = result["refused"]
+        clear = text.startswith("ValueError: ") and re.search(r"--[a-z][a-z-]+|SGLANG_[A-Z_]+", text)
+        return [] if clear else [f"not a clear refusal at argument time: {text}"]
     found = []
     for size, r in result["sizes"].items():
         at = f"I={size} {r.get('runner')}"
@@ -219,8 +244,8 @@ def test_known_failing_still_fails(forward: Forward, gate_trees: dict[str, trees
         for result in per.values()
         for p in problems(result)
     ]
-    if not any(forward[label] for label in _patched(gate_trees)):
-        pytest.skip("no SM12x architecture under test")
+    if any(set(forward[label]) != {a.name for a in SM12X} for label in _patched(gate_trees)):
+        pytest.skip("entries are judged with every SM12x architecture under test")
     stale = [
         name
         for name, k in {**KNOWN_FAILING, **NOT_MODELLED}.items()
