@@ -184,10 +184,10 @@ def _sibling_imports(path: Path) -> tuple[set[str], set[str]]:
     return relative, plain
 
 
-def test_child_stays_a_standalone_script() -> None:
-    """runner.py runs child.py as a script (its directory is sys.path[0]): every module
-    it reaches imports its harness siblings relatively with a plain-import fallback, and
-    nothing else of the tool."""
+def test_child_imports_only_its_probe_siblings() -> None:
+    """The child runs as `python -m sm120fork.harness.child` (and its zygote imports it):
+    every module it reaches imports its harness siblings relatively and nothing else of
+    the tool, so a child costs torch and sglang, not the tool's own imports."""
     here = Path(child.__file__).parent
     pending, seen = ["child"], set()
     while pending:
@@ -196,9 +196,6 @@ def test_child_stays_a_standalone_script() -> None:
             continue
         seen.add(name)
         relative, plain = _sibling_imports(here / f"{name}.py")
-        assert relative <= plain, (
-            f"{name}.py lacks the plain-import fallback for {relative - plain}"
-        )
         assert not {m for m in plain if m.startswith("sm120fork")}, f"{name}.py imports the tool"
         pending += sorted(relative)
     assert {"child_probes", "load_probes", "allreduce_probes", "kernel_probes"} <= seen
