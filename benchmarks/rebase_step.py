@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from sm120fork import gitcmd  # noqa: E402
 from sm120fork.patches.series import read_series  # noqa: E402
-from sm120fork.upstream import fetch_release, lock  # noqa: E402
+from sm120fork.upstream import lock  # noqa: E402
+from sm120fork.upstream.fetch import fetch_release  # noqa: E402
 
 IDENTITY = {
     "GIT_AUTHOR_NAME": "bench",
