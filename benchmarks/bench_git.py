@@ -7,11 +7,9 @@ Inputs: the vendored upstream files of this checkout's HEAD (`vendor/sglang`),
 read as a rebase reads files of its work repository (`WorkRepo.read`). Set-up
 (listing the files, warming the page cache) is not timed.
 
-Two rows of issue #20 on the work repository itself: committing the pinned
-release from this checkout's own git objects (`rebase/releasecommits.py`)
-against reading every file (`WorkRepo.commit_dir`), and committing a carried
-patch through the file it wrote against `git add -A .` + `git commit` of the
-whole work tree (`WorkRepo.commit_worktree(paths)` against its route before).
+A row of issue #20 on the work repository itself: committing a carried patch
+through the file it wrote against `git add -A .` + `git commit` of the whole
+work tree (`WorkRepo.commit_worktree(paths)` against its route before).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from pathlib import Path
 from bench_common import PROJECT, Row, compare, tool_env
 from sm120fork import gitcmd
 from sm120fork.paths import RepoPaths
-from sm120fork.rebase import releasecommits
 from sm120fork.rebase.workrepo import WorkRepo
 
 FILES = 400
@@ -72,7 +69,7 @@ def rows(runs: int) -> list[Row]:
     paths = sorted(p for p in listing.split("\0") if p.endswith(".py"))[:FILES]
     rows = [_read_row(runs, paths), _command_row(runs), _import_row(runs)]
     with tempfile.TemporaryDirectory(prefix="sm120-bench-work-") as scratch:
-        rows += [_release_commit_row(runs, Path(scratch)), _patch_commit_row(runs, Path(scratch))]
+        rows.append(_patch_commit_row(runs, Path(scratch)))
     return rows
 
 
@@ -149,35 +146,9 @@ def _import_row(runs: int) -> Row:
 COMMITS = 20  # carried patches a run
 
 
-def _release_commit_row(runs: int, scratch: Path) -> Row:
-    paths = RepoPaths(PROJECT)
-    repos = itertools.count()
-
-    def timed(commit: Callable[[WorkRepo], str]) -> float:
-        repo = WorkRepo.create(scratch / f"release-{next(repos)}")
-        start = time.perf_counter()
-        commit(repo)
-        return time.perf_counter() - start
-
-    mine, theirs = compare(
-        runs,
-        lambda: timed(lambda repo: releasecommits.commit_pinned(repo, paths, "sglang")),
-        lambda: timed(lambda repo: repo.commit_dir(paths.upstream_tree, None, "sglang")),
-    )
-    return Row(
-        what="commit the pinned release in a rebase's work repository",
-        ours="`releasecommits.commit_pinned`: from the fork's own git objects",
-        baseline="`WorkRepo.commit_dir`: every file read, one `git fast-import`",
-        ours_s=tuple(mine),
-        baseline_s=tuple(theirs),
-        target_ratio=1.0,
-        note="reads the files itself when vendor/ differs from HEAD",
-    )
-
-
 def _patch_commit_row(runs: int, scratch: Path) -> Row:
     repo = WorkRepo.create(scratch / "carry")
-    repo.checkout(releasecommits.commit_pinned(repo, RepoPaths(PROJECT), "sglang"))
+    repo.checkout(repo.commit_dir(RepoPaths(PROJECT).upstream_tree, None, "sglang"))
     carried = "python/sglang/version.py"
     lines = itertools.count()
 
