@@ -189,16 +189,7 @@ def explain(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
-def gate_bench(session: nox.Session) -> None:
-    """Time the full gate matrix (benchmarks/gate_matrix.py; `-- --jobs 1 2 3`)."""
-    _install_tool(session)
-    python = _gate_env(session)
-    session.run(str(python), "benchmarks/gate_matrix.py", *session.posargs, external=True)
-
-
-@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """The tools against the standard tools on real upstream data (`-- --with-tests`)."""
+    """How apply, check and the rebase grow against the standard tools (`-- --with-tests`)."""
     _install_tool(session)
-    session.install("wheel")
     session.run("python", "benchmarks/bench.py", *session.posargs)
