@@ -15,7 +15,7 @@ from typing import Any
 
 from bench_common import PROJECT, Row, run
 
-TIERS = (
+TIERS: tuple[tuple[str, list[str], float], ...] = (
     ("whole test suite", [], 1200.0),
     ("fast tier", ["--", "--fast"], 300.0),
 )
@@ -30,7 +30,7 @@ def measure(scratch: Path) -> list[Row]:
         env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != inside)
     nox = shutil.which("nox", path=env["PATH"])
     argv = [nox] if nox else [sys.executable, "-m", "nox"]
-    rows = []
+    rows: list[Row] = []
     for what, extra, limit in TIERS:
         clone = scratch / f"clone-{len(rows)}"
         run(["git", "clone", "-q", PROJECT, clone])
@@ -66,7 +66,7 @@ def measure(scratch: Path) -> list[Row]:
 
 def previous_rows(previous: list[dict[str, Any]]) -> list[Row]:
     """The last measured tiers (build/bench/tests.json), marked as not measured now."""
-    rows = []
+    rows: list[Row] = []
     for found in previous:
         rows.append(
             Row(
