@@ -179,15 +179,26 @@ def verify(fork: Path, to: str) -> dict[str, Any]:
         say(f"running the series' rows on the patched sglang {to} (sm120, sm121) in {env.venv}")
         args = ["run", "--tree", str(tree / "python"), *SM12X]
         run(fork, *harness, *args, "--jobs", "2", "--json", str(obs))
+    from sm120fork.harness import spec, table
+
+    observations = json.loads(obs.read_text())
+    rows_dir = fork / "gatetable"  # the fork's own rows, not this checkout's
+    archs = [a.name for a in spec.load_archs(rows_dir / "archs.toml")]
+    rows = table.load_table(archs, rows_dir / "expectations.toml").rows
     found: dict[str, Any] = {}
     for name in read_series(fork / "patches" / "series").names:
-        judged = run(fork, *harness, "cells", str(obs), f"--patch={name}", *SM12X)
-        cells = json.loads(judged.stdout)
+        cells = [
+            (row, cell)
+            for row in rows
+            if row.patch == name
+            for cell in table.check_row(row, observations)
+            if cell.arch in ("sm120", "sm121")
+        ]
         wrong = [
-            f"row {c['row']} {c['scenario']}:{c['field']} {c['arch']}: expected "
-            f"{c['expected']}, observed {c['observed']}"
-            for c in cells
-            if not c["ok"]
+            f"row {row.number} {row.scenario}:{row.field} {cell.arch}: expected "
+            f"{table.render(cell.expected)}, observed {table.render(cell.observed)}"
+            for row, cell in cells
+            if not cell.ok
         ]
         found[name] = {"cells": len(cells), "wrong": wrong}
     return found
