@@ -63,6 +63,7 @@ class Glue:
     """sglang's functions the b12x layer goes through, from the patched tree."""
 
     def __init__(self, patched: Path) -> None:
+        self.patched = patched
         self.prep = load_weights_module(patched)
         common: dict[str, Any] = {"torch": torch, "Parameter": torch.nn.Parameter}
         names = {"copy_or_rebind_param", "alias_or_bind_derived_param"}

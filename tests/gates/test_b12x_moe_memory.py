@@ -23,7 +23,9 @@ mutant=DIR`): every run deriving from scratch (no per-expert checksums, as the C
 path does) fails test_processing_twice_changes_nothing and
 test_reload_of_one_expert_leaves_the_others; never deriving again (a version counter,
 which the loader's ``param.data`` writes do not move) fails
-test_reload_gives_the_new_weights_in_the_same_storage and the one-expert reload.
+test_reload_gives_the_new_weights_in_the_same_storage and the one-expert reload. Of
+arg_groups/b12x_moe.py: the CUDA comparison dropped from b12x_misfit, or the version read
+from torch.version.cuda instead of FlashInfer's nvcc: test_cuda_below_13_... fails (13 != 12).
 """
 
 from __future__ import annotations
@@ -204,3 +206,40 @@ def test_reload_of_one_expert_leaves_the_others(glue: b12x_glue.Glue) -> None:
     want = _param_bytes(fresh)
     for name, got in _param_bytes(layer).items():
         assert torch.equal(got, want[name]), name
+
+
+def test_cuda_below_13_is_refused_as_flashinfer_reads_it(
+    glue: b12x_glue.Glue, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The argument-time CUDA check (arg_groups/b12x_moe.py) reads the version as
+    FlashInfer does (nvcc under CUDA_HOME before torch.version.cuda) and refuses below
+    what B12xMoEWrapper.__init__ requires. No table row can set CUDA_HOME (the harness
+    children run without CUDA_* variables), so it is checked here."""
+    import ast
+    import inspect
+
+    from flashinfer.jit import cpp_ext  # type: ignore[import-not-found]
+
+    path = glue.patched / "sglang/srt/arg_groups/b12x_moe.py"
+    tree = ast.parse(path.read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "flashinfer_cuda_major")
+    namespace: dict[str, Any] = {"Optional": Any}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    cpp_ext.get_cuda_version.cache_clear()
+    try:
+        assert namespace["flashinfer_cuda_major"]() == 12
+    finally:
+        cpp_ext.get_cuda_version.cache_clear()
+    minimum = next(
+        n.value.value for n in tree.body if isinstance(n, ast.Assign)
+        and any(getattr(t, "id", None) == "B12X_MIN_CUDA" for t in n.targets)
+    )
+    assert f"get_cuda_version().major < {minimum}" in inspect.getsource(flashinfer.B12xMoEWrapper.__init__)
+    misfit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "b12x_misfit")
+    compared = [ast.unparse(n) for n in ast.walk(misfit) if isinstance(n, ast.Compare)]
+    assert "cuda < B12X_MIN_CUDA" in compared, compared
