@@ -230,11 +230,14 @@ def test_cuda_below_13_is_refused_as_flashinfer_reads_it(
     nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
     nvcc.chmod(0o755)
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    cpp_ext.get_cuda_version.cache_clear()
+    caches = (cpp_ext.get_cuda_path, cpp_ext.get_cuda_version)  # both functools.cache
+    for cached in caches:
+        cached.cache_clear()
     try:
         assert namespace["flashinfer_cuda_major"]() == 12
     finally:
-        cpp_ext.get_cuda_version.cache_clear()
+        for cached in caches:
+            cached.cache_clear()
     minimum = next(
         n.value.value for n in tree.body if isinstance(n, ast.Assign)
         and any(getattr(t, "id", None) == "B12X_MIN_CUDA" for t in n.targets)
