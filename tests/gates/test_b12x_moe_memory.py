@@ -26,6 +26,8 @@ which the loader's ``param.data`` writes do not move) fails
 test_reload_gives_the_new_weights_in_the_same_storage and the one-expert reload. Of
 arg_groups/b12x_moe.py: the CUDA comparison dropped from b12x_misfit, or the version read
 from torch.version.cuda instead of FlashInfer's nvcc: test_cuda_below_13_... fails (13 != 12).
+refresh_b12x_fold a no-op: test_reload_refreshes_flashinfers_folded_alpha fails (the
+wrapper keeps the old w1_alpha * input_global_scale).
 """
 
 from __future__ import annotations
@@ -246,3 +248,33 @@ def test_cuda_below_13_is_refused_as_flashinfer_reads_it(
     misfit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "b12x_misfit")
     compared = [ast.unparse(n) for n in ast.walk(misfit) if isinstance(n, ast.Compare)]
     assert "cuda < B12X_MIN_CUDA" in compared, compared
+
+
+def test_reload_refreshes_flashinfers_folded_alpha(
+    glue: b12x_glue.Glue, dispatch: tuple[Any, list[tuple[str, int]]]
+) -> None:
+    """B12xMoEWrapper.run caches w1_alpha * input_global_scale keyed by pointers and
+    version counters, which the loader's writes through param.data leave alone: after a
+    reload the glue recomputes it in its own storage (what captured graphs read)."""
+    import ast
+
+    layer, view = _loaded(glue, 256, seed=8)
+    wrapper = flashinfer.B12xMoEWrapper(
+        num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=256,
+        use_cuda_graph=False, device="cpu", quant_mode="nvfp4",
+    )
+    _run(wrapper, view, tokens=2)
+    folded = wrapper._folded_w1_alpha
+    new = b12x_glue.checkpoint(EXPERTS, HIDDEN, 256, gated=True, seed=9, tied=False, input_amax=9.0)
+    glue.load(layer, new, gated=True)
+    view = glue.process(layer, gated=True)
+    glue.prep.refresh_b12x_fold(wrapper, view)
+    _run(wrapper, view, tokens=2)
+    want = torch.maximum(new["gate_s2"], new["up_s2"]) * new["input_scale"].max()
+    assert wrapper._folded_w1_alpha is folded
+    assert torch.allclose(folded, want, rtol=1e-6)
+    tree = ast.parse((glue.patched / b12x_glue.MODELOPT).read_text())
+    prepare = next(f for f in ast.walk(tree)
+                   if isinstance(f, ast.FunctionDef) and f.name == "_prepare_b12x_weights")
+    calls = [ast.unparse(c.func) for c in ast.walk(prepare) if isinstance(c, ast.Call)]
+    assert "refresh_b12x_fold" in calls, calls
