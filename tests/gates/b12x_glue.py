@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
-import torch
+import torch  # type: ignore[import-not-found]
 from flashinfer.trace.templates.moe import _dequantize_fp4_tensor  # type: ignore[import-not-found]
 from flashinfer.trace.templates.quantize import (  # type: ignore[import-not-found]
     _fp4_quantize_reference,
@@ -68,18 +68,28 @@ class Glue:
         common: dict[str, Any] = {"torch": torch, "Parameter": torch.nn.Parameter}
         names = {"copy_or_rebind_param", "alias_or_bind_derived_param"}
         _compile(_defs(patched / COMMON, names), common, patched / COMMON)
-        self.bind, self.alias = common["copy_or_rebind_param"], common["alias_or_bind_derived_param"]
+        self.bind, self.alias = (
+            common["copy_or_rebind_param"],
+            common["alias_or_bind_derived_param"],
+        )
         loader: dict[str, Any] = {"torch": torch, "_is_cpu": False}
         _compile(_defs(patched / LAYER, {"_weight_layout_method"}), loader, patched / LAYER)
         loader["_maybe_copy_weight_view_before_h2d"] = lambda t: t
-        names = {"_load_w13", "_load_w2", "_load_per_tensor_weight_scale",
-                 "_load_model_weight_or_group_weight_scale"}
+        names = {
+            "_load_w13",
+            "_load_w2",
+            "_load_per_tensor_weight_scale",
+            "_load_model_weight_or_group_weight_scale",
+        }
         _compile(_defs(patched / LAYER, names, "FusedMoE"), loader, patched / LAYER)
         self.loader = loader
         method: dict[str, Any] = {"get_moe_runner_backend": _b12x_backend}
         names = {"load_up_proj_weight_first", "_uses_b12x"}
-        _compile(_defs(patched / MODELOPT, names, "ModelOptNvFp4FusedMoEMethod"), method,
-                 patched / MODELOPT)
+        _compile(
+            _defs(patched / MODELOPT, names, "ModelOptNvFp4FusedMoEMethod"),
+            method,
+            patched / MODELOPT,
+        )
         self.method = method
 
     def up_first(self, gated: bool) -> bool:
@@ -99,7 +109,7 @@ class Glue:
         rows = (2 if gated else 1) * padded
         layer = torch.nn.Module()
 
-        def param(name: str, shape: tuple, dtype: torch.dtype, fill: float = 0) -> None:
+        def param(name: str, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0) -> None:
             t = torch.full(shape, fill, dtype=torch.float32).to(dtype)
             layer.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
 
@@ -119,19 +129,33 @@ class Glue:
         param("w2_input_scale", (experts,), torch.float32, 1.0)
         return layer
 
-    def load(self, layer: torch.nn.Module, ckpt: dict[str, Tensor], gated: bool,
-             tp_size: int = 1, tp_rank: int = 0, first_expert: int = 0) -> None:
+    def load(
+        self,
+        layer: torch.nn.Module,
+        ckpt: dict[str, Tensor],
+        gated: bool,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        first_expert: int = 0,
+    ) -> None:
         """FusedMoE.weight_loader's ModelOpt NVFP4 path for every expert tensor."""
         g = self.loader
         this = SimpleNamespace(
             moe_runner_config=SimpleNamespace(is_gated=gated),
             quant_method=SimpleNamespace(load_up_proj_weight_first=self.up_first(gated)),
-            use_padded_loading=False, use_presharded_weights=False, use_triton_kernels=False,
-            moe_tp_size=tp_size, moe_tp_rank=tp_rank,
+            use_padded_loading=False,
+            use_presharded_weights=False,
+            use_triton_kernels=False,
+            moe_tp_size=tp_size,
+            moe_tp_rank=tp_rank,
             quant_config=SimpleNamespace(get_name=lambda: "modelopt_fp4"),
         )
-        for name in ("_load_w13", "_load_w2", "_load_model_weight_or_group_weight_scale",
-                     "_load_per_tensor_weight_scale"):
+        for name in (
+            "_load_w13",
+            "_load_w2",
+            "_load_model_weight_or_group_weight_scale",
+            "_load_per_tensor_weight_scale",
+        ):
             setattr(this, name, g[name].__get__(this))
         shards = [("w1", "gate"), ("w3", "up")] if gated else [("w1", "gate")]
         for i in range(ckpt["w2"].shape[0]):
@@ -139,18 +163,30 @@ class Glue:
             for shard, half in shards:
                 for suffix, param in (("", "w13_weight"), ("_s", "w13_weight_scale")):
                     this._load_model_weight_or_group_weight_scale(
-                        shard_dim=0, expert_data=getattr(layer, param).data[e],
-                        shard_id=shard, loaded_weight=ckpt[half + suffix][i])
+                        shard_dim=0,
+                        expert_data=getattr(layer, param).data[e],
+                        shard_id=shard,
+                        loaded_weight=ckpt[half + suffix][i],
+                    )
                 this._load_per_tensor_weight_scale(
-                    shard_id=shard, param=layer.w13_weight_scale_2,
-                    loaded_weight=ckpt[half + "_s2"][i], expert_id=e)
+                    shard_id=shard,
+                    param=layer.w13_weight_scale_2,
+                    loaded_weight=ckpt[half + "_s2"][i],
+                    expert_id=e,
+                )
             for suffix, param in (("", "w2_weight"), ("_s", "w2_weight_scale")):
                 this._load_model_weight_or_group_weight_scale(
-                    shard_dim=1, expert_data=getattr(layer, param).data[e],
-                    shard_id="w2", loaded_weight=ckpt["w2" + suffix][i])
+                    shard_dim=1,
+                    expert_data=getattr(layer, param).data[e],
+                    shard_id="w2",
+                    loaded_weight=ckpt["w2" + suffix][i],
+                )
             this._load_per_tensor_weight_scale(
-                shard_id="w2", param=layer.w2_weight_scale_2,
-                loaded_weight=ckpt["w2_s2"][i], expert_id=e)
+                shard_id="w2",
+                param=layer.w2_weight_scale_2,
+                loaded_weight=ckpt["w2_s2"][i],
+                expert_id=e,
+            )
             layer.w13_input_scale.data[e] = ckpt["input_scale"][i]
 
     def process(self, layer: torch.nn.Module, gated: bool) -> dict[str, Any]:
@@ -174,8 +210,15 @@ def dequant(packed: Tensor, scales: Tensor, scale_2: Tensor) -> Tensor:
     return _dequantize_fp4_tensor(packed, scales, is_ue8m0_scales=False) * scale_2
 
 
-def checkpoint(experts: int, hidden: int, inter: int, gated: bool, seed: int,
-               tied: bool = True, input_amax: float = 4.0) -> dict[str, Tensor]:
+def checkpoint(
+    experts: int,
+    hidden: int,
+    inter: int,
+    gated: bool,
+    seed: int,
+    tied: bool = True,
+    input_amax: float = 4.0,
+) -> dict[str, Tensor]:
     """Random experts as a ModelOpt checkpoint stores them (unsharded, per expert).
 
     ``tied``: gate and up share one weight_scale_2 (one amax over both); untied halves
@@ -184,18 +227,28 @@ def checkpoint(experts: int, hidden: int, inter: int, gated: bool, seed: int,
     out: dict[str, list[Tensor]] = {}
     halves = ("gate", "up") if gated else ("gate",)
     for e in range(experts):
-        raw = [torch.randn(inter, hidden, generator=gen) * (0.02 * (h + 1) + 0.01 * e)
-               for h in range(len(halves))]
+        raw = [
+            torch.randn(inter, hidden, generator=gen) * (0.02 * (h + 1) + 0.01 * e)
+            for h in range(len(halves))
+        ]
         amax = torch.stack([r.abs().max() for r in raw]).max() if tied else None
-        for half, r in zip(halves, raw):
+        for half, r in zip(halves, raw, strict=True):
             packed, scales, scale_2 = quantize(r, amax)
-            for key, value in (("", packed), ("_s", scales), ("_s2", scale_2),
-                               ("_deq", dequant(packed, scales, scale_2))):
+            for key, value in (
+                ("", packed),
+                ("_s", scales),
+                ("_s2", scale_2),
+                ("_deq", dequant(packed, scales, scale_2)),
+            ):
                 out.setdefault(half + key, []).append(value)
         w2 = torch.randn(hidden, inter, generator=gen) * 0.03
         packed, scales, scale_2 = quantize(w2)
-        for key, value in (("", packed), ("_s", scales), ("_s2", scale_2),
-                           ("_deq", dequant(packed, scales, scale_2))):
+        for key, value in (
+            ("", packed),
+            ("_s", scales),
+            ("_s2", scale_2),
+            ("_deq", dequant(packed, scales, scale_2)),
+        ):
             out.setdefault("w2" + key, []).append(value)
         cal = input_amax * (1 + 0.1 * e) / (FP4_MAX * E4M3_MAX)
         out.setdefault("input_scale", []).append(torch.full((len(halves),), cal))
@@ -249,5 +302,6 @@ def held_bytes(*owners: Any) -> int:
 def checkpoint_expert_bytes(experts: int, hidden: int, inter: int, gated: bool) -> int:
     """FP4 weights + E4M3 block scales of one rank's experts, as stored."""
     rows = (2 if gated else 1) * inter
-    return experts * (rows * hidden // 2 + rows * hidden // 16
-                      + hidden * inter // 2 + hidden * inter // 16)
+    return experts * (
+        rows * hidden // 2 + rows * hidden // 16 + hidden * inter // 2 + hidden * inter // 16
+    )

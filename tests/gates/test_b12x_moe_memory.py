@@ -47,7 +47,9 @@ EXPERTS, HIDDEN, TOP_K = 2, 256, 2
 
 
 @pytest.fixture(scope="module")
-def glue(gate_trees: dict[str, trees.Tree], tmp_path_factory: pytest.TempPathFactory) -> b12x_glue.Glue:
+def glue(
+    gate_trees: dict[str, trees.Tree], tmp_path_factory: pytest.TempPathFactory
+) -> b12x_glue.Glue:
     for tree in gate_trees.values():
         if tree.mode == trees.PATCHED:
             return b12x_glue.Glue(tree.path)
@@ -58,10 +60,13 @@ def glue(gate_trees: dict[str, trees.Tree], tmp_path_factory: pytest.TempPathFac
 @pytest.fixture
 def dispatch(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[str, int]]]:
     """moe_dispatch with its two kernel launches recording (backend, n) instead."""
-    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import moe_dispatch as md
+    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import (  # type: ignore[import-not-found]
+        moe_dispatch as md,
+    )
 
     launched: list[tuple[str, int]] = []
     for backend in ("static", "dynamic"):
+
         def record(backend: str = backend, **kw: Any) -> Any:
             launched.append((backend, kw["n"]))
             return kw["scatter_output"]
@@ -71,7 +76,9 @@ def dispatch(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[str, int]
     return md, launched
 
 
-def _loaded(glue: b12x_glue.Glue, inter: int, seed: int, gated: bool = True) -> tuple:
+def _loaded(
+    glue: b12x_glue.Glue, inter: int, seed: int, gated: bool = True
+) -> tuple[Any, dict[str, Any]]:
     ckpt = b12x_glue.checkpoint(EXPERTS, HIDDEN, inter, gated=gated, seed=seed)
     layer = glue.new_layer(EXPERTS, HIDDEN, inter, gated=gated)
     glue.load(layer, ckpt, gated=gated)
@@ -81,8 +88,9 @@ def _loaded(glue: b12x_glue.Glue, inter: int, seed: int, gated: bool = True) -> 
 def _run(wrapper: Any, view: dict[str, Any], tokens: int) -> None:
     x = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
     ids = torch.randint(0, EXPERTS, (tokens, TOP_K), dtype=torch.int32)
-    wrapper.run(x=x, token_selected_experts=ids, token_final_scales=torch.ones(tokens, TOP_K),
-                **view)
+    wrapper.run(
+        x=x, token_selected_experts=ids, token_final_scales=torch.ones(tokens, TOP_K), **view
+    )
 
 
 PER_RANK = [64, 128, 192, 256, 384, 512, 1856, 2048]
@@ -90,15 +98,20 @@ PER_RANK = [64, 128, 192, 256, 384, 512, 1856, 2048]
 
 @pytest.mark.parametrize("inter", PER_RANK)
 def test_first_forward_copies_nothing_and_memory_is_predicted(
-    glue: b12x_glue.Glue, dispatch: tuple[Any, list], inter: int
+    glue: b12x_glue.Glue, dispatch: tuple[Any, list[tuple[str, int]]], inter: int
 ) -> None:
     md, launched = dispatch
     cached = set(md._WEIGHT_CACHE)  # other tests' layers may still be alive
     layer, view = _loaded(glue, inter, seed=inter)
     padded = glue.prep.b12x_padded_intermediate(inter)
     wrapper = flashinfer.B12xMoEWrapper(
-        num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=padded,
-        use_cuda_graph=False, device="cpu", quant_mode="nvfp4",
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        hidden_size=HIDDEN,
+        intermediate_size=padded,
+        use_cuda_graph=False,
+        device="cpu",
+        quant_mode="nvfp4",
     )
     _run(wrapper, view, tokens=3)  # decode: static backend (pads n to 256 if it must)
     _run(wrapper, view, tokens=600)  # prefill: dynamic backend
@@ -106,11 +119,17 @@ def test_first_forward_copies_nothing_and_memory_is_predicted(
     assert not md._PADDED_WEIGHT_CACHE and wrapper._padded_weights is None
     ours = {k: v for k, v in md._WEIGHT_CACHE.items() if k not in cached}
     held = b12x_glue.held_bytes(layer, wrapper, ours, md._PADDED_WEIGHT_CACHE)
-    scalars = b12x_glue.held_bytes(layer.w13_weight_scale_2, layer.w2_weight_scale_2,
-                                   layer.w13_input_scale, layer.w2_input_scale,
-                                   layer.b12x_w1_alpha, layer.b12x_input_global_scale,
-                                   layer.b12x_fc2_input_scale, wrapper._folded_w1_alpha,
-                                   layer._b12x_fingerprints)
+    scalars = b12x_glue.held_bytes(
+        layer.w13_weight_scale_2,
+        layer.w2_weight_scale_2,
+        layer.w13_input_scale,
+        layer.w2_input_scale,
+        layer.b12x_w1_alpha,
+        layer.b12x_input_global_scale,
+        layer.b12x_fc2_input_scale,
+        wrapper._folded_w1_alpha,
+        layer._b12x_fingerprints,
+    )
     ratio = (held - scalars) / b12x_glue.checkpoint_expert_bytes(EXPERTS, HIDDEN, inter, True)
     print(f"b12x per-rank intermediate {inter}: expert memory {ratio:.3f}x the checkpoint's")
     assert ratio == pytest.approx(glue.prep.b12x_memory_ratio(HIDDEN, inter, True), rel=1e-9)
@@ -128,7 +147,7 @@ def test_processing_twice_changes_nothing(glue: b12x_glue.Glue) -> None:
         assert again[key].data_ptr() == value.data_ptr(), key
 
 
-def _param_bytes(layer: torch.nn.Module) -> dict[str, Any]:
+def _param_bytes(layer: Any) -> dict[str, Any]:
     return {k: v.detach().view(torch.uint8).clone() for k, v in layer.state_dict().items()}
 
 
@@ -170,24 +189,37 @@ def test_workspace_bytes_of_a_large_model() -> None:
     ._allocate_buffers), on the meta device: Qwen3.5-397B-A17B NVFP4 at TP4 (512
     experts, top 10, hidden 4096, 256 per rank) for 8192 and 16384 tokens. The runner
     builds them when the weights are processed, before the KV pool is sized."""
-    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import moe_dispatch as md
+    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import (
+        moe_dispatch as md,
+    )
 
     sizes = []
     for tokens in (8192, 16384):
         wrapper = flashinfer.B12xMoEWrapper(
-            num_experts=512, top_k=10, hidden_size=4096, intermediate_size=256,
-            use_cuda_graph=True, max_num_tokens=tokens, device="meta", quant_mode="nvfp4",
+            num_experts=512,
+            top_k=10,
+            hidden_size=4096,
+            intermediate_size=256,
+            use_cuda_graph=True,
+            max_num_tokens=tokens,
+            device="meta",
+            quant_mode="nvfp4",
         )
         held: dict[int, int] = {}
         for ws in (wrapper._static_workspace, wrapper._dynamic_workspace, wrapper._moe_output):
-            tensors = [ws] if isinstance(ws, torch.Tensor) else [
-                getattr(ws, f) for f in getattr(ws, "__dataclass_fields__", {})]
+            tensors = (
+                [ws]
+                if isinstance(ws, torch.Tensor)
+                else [getattr(ws, f) for f in getattr(ws, "__dataclass_fields__", {})]
+            )
             for t in tensors:
                 if isinstance(t, torch.Tensor):
                     held[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
         sizes.append(sum(held.values()) / 2**30)
         assert md.select_sm120_moe_backend(num_tokens=tokens, num_topk=10) == "dynamic"
-    print(f"b12x workspaces, Qwen3.5-397B TP4: {sizes[0]:.2f} GiB (8192), {sizes[1]:.2f} GiB (16384)")
+    print(
+        f"b12x workspaces, Qwen3.5-397B TP4: {sizes[0]:.2f} GiB (8192), {sizes[1]:.2f} GiB (16384)"
+    )
     assert 1.0 < sizes[0] < sizes[1] < 2.5
 
 
@@ -224,7 +256,9 @@ def test_cuda_below_13_is_refused_as_flashinfer_reads_it(
 
     path = glue.patched / "sglang/srt/arg_groups/b12x_moe.py"
     tree = ast.parse(path.read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "flashinfer_cuda_major")
+    fn = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "flashinfer_cuda_major"
+    )
     namespace: dict[str, Any] = {"Optional": Any}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
     nvcc = tmp_path / "bin" / "nvcc"
@@ -241,11 +275,17 @@ def test_cuda_below_13_is_refused_as_flashinfer_reads_it(
         for cached in caches:
             cached.cache_clear()
     minimum = next(
-        n.value.value for n in tree.body if isinstance(n, ast.Assign)
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign)
         and any(getattr(t, "id", None) == "B12X_MIN_CUDA" for t in n.targets)
     )
-    assert f"get_cuda_version().major < {minimum}" in inspect.getsource(flashinfer.B12xMoEWrapper.__init__)
-    misfit = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "b12x_misfit")
+    assert f"get_cuda_version().major < {minimum}" in inspect.getsource(
+        flashinfer.B12xMoEWrapper.__init__
+    )
+    misfit = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "b12x_misfit"
+    )
     compared = [ast.unparse(n) for n in ast.walk(misfit) if isinstance(n, ast.Compare)]
     assert "cuda < B12X_MIN_CUDA" in compared, compared
 
@@ -260,8 +300,13 @@ def test_reload_refreshes_flashinfers_folded_alpha(
 
     layer, view = _loaded(glue, 256, seed=8)
     wrapper = flashinfer.B12xMoEWrapper(
-        num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=256,
-        use_cuda_graph=False, device="cpu", quant_mode="nvfp4",
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        use_cuda_graph=False,
+        device="cpu",
+        quant_mode="nvfp4",
     )
     _run(wrapper, view, tokens=2)
     folded = wrapper._folded_w1_alpha
@@ -274,7 +319,10 @@ def test_reload_refreshes_flashinfers_folded_alpha(
     assert wrapper._folded_w1_alpha is folded
     assert torch.allclose(folded, want, rtol=1e-6)
     tree = ast.parse((glue.patched / b12x_glue.MODELOPT).read_text())
-    prepare = next(f for f in ast.walk(tree)
-                   if isinstance(f, ast.FunctionDef) and f.name == "_prepare_b12x_weights")
+    prepare = next(
+        f
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef) and f.name == "_prepare_b12x_weights"
+    )
     calls = [ast.unparse(c.func) for c in ast.walk(prepare) if isinstance(c, ast.Call)]
     assert "refresh_b12x_fold" in calls, calls

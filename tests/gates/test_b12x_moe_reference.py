@@ -86,7 +86,9 @@ def glue(patched: Path) -> b12x_glue.Glue:
     return b12x_glue.Glue(patched)
 
 
-def _routing(tokens: int, experts: int, top_k: int, hidden: int, seed: int) -> tuple:
+def _routing(
+    tokens: int, experts: int, top_k: int, hidden: int, seed: int
+) -> tuple[Tensor, Tensor, Tensor]:
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
     logits = torch.randn(tokens, experts, generator=gen)
@@ -100,8 +102,9 @@ def _fc2_input(act: Tensor) -> Tensor:
     return _dequantize_fp4_tensor(packed, scales, is_ue8m0_scales=False)
 
 
-def _torch_moe(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor,
-               activation: str) -> Tensor:
+def _torch_moe(
+    x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w2: Tensor, activation: str
+) -> Tensor:
     """Plain MoE on dequantized [gate, up] (or relu2) weights."""
     out = torch.zeros(x.shape[0], w2.shape[1])
     a = x.float()
@@ -133,17 +136,31 @@ def _fc1_input(x: Tensor, gs: Tensor) -> Tensor:
     return (_dequantize_fp4_tensor(packed, scales, is_ue8m0_scales=False) * gs).to(x.dtype)
 
 
-def _reference(view: dict[str, Any], x: Tensor, ids: Tensor, weights: Tensor,
-               experts: int, top_k: int, fc1_quant: bool = False) -> Tensor:
+def _reference(
+    view: dict[str, Any],
+    x: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    experts: int,
+    top_k: int,
+    fc1_quant: bool = False,
+) -> Tensor:
     rows, hidden = view["w1_weight"].shape[1], view["w1_weight"].shape[2] * 2
     inter = view["w2_weight"].shape[2] * 2
     if fc1_quant:
         x = _fc1_input(x, view["input_global_scale"].float())
     return _b12x_fused_moe_reference(
-        x, view["w1_weight"], _mma_to_logical(view["w1_weight_sf"], rows, hidden),
-        view["w2_weight"], _mma_to_logical(view["w2_weight_sf"], hidden, inter),
-        ids, weights, experts, top_k,
-        w1_alpha=view["w1_alpha"], w2_alpha=view["w2_alpha"],
+        x,
+        view["w1_weight"],
+        _mma_to_logical(view["w1_weight_sf"], rows, hidden),
+        view["w2_weight"],
+        _mma_to_logical(view["w2_weight_sf"], hidden, inter),
+        ids,
+        weights,
+        experts,
+        top_k,
+        w1_alpha=view["w1_alpha"],
+        w2_alpha=view["w2_alpha"],
         fc2_input_scale=view["fc2_input_scale"],
     )
 
@@ -154,8 +171,12 @@ def _rel_err(got: Tensor, want: Tensor) -> float:
 
 # (experts, hidden, checkpoint intermediate, top_k, tp_size, tp_rank): per-rank sizes
 # 64, 192 (padded to 256 at load), 128 and 96 (TP shards of 256 and 192).
-SWIGLU_SHAPES = [(4, 128, 64, 2, 1, 0), (3, 96, 192, 2, 1, 0), (8, 256, 256, 4, 2, 1),
-                 (2, 128, 192, 2, 2, 0)]
+SWIGLU_SHAPES = [
+    (4, 128, 64, 2, 1, 0),
+    (3, 96, 192, 2, 1, 0),
+    (8, 256, 256, 4, 2, 1),
+    (2, 128, 192, 2, 2, 0),
+]
 
 
 @pytest.mark.parametrize(("experts", "hidden", "inter", "top_k", "tp", "rank"), SWIGLU_SHAPES)
@@ -239,15 +260,21 @@ def test_swizzle_is_sglangs_and_the_mma_operand_a_view(patched: Path, glue: b12x
     """The scales b12x reads are sglang's swizzle_blockscale bytes (so the
     *_blockscale_swizzled placeholder holds them) and the 6-D operand is a view."""
     tree = ast.parse((patched / QUANT_UTILS).read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "swizzle_blockscale")
+    fn = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "swizzle_blockscale"
+    )
     namespace: dict[str, Any] = {"torch": torch}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), QUANT_UTILS, "exec"), namespace)
     scale = torch.rand(3, 256, 24).mul(400).to(torch.float8_e4m3fn)
     ours = glue.prep.swizzle_blockscale_128x4(scale)
-    assert torch.equal(ours.view(torch.uint8), namespace["swizzle_blockscale"](scale).view(torch.uint8))
+    assert torch.equal(
+        ours.view(torch.uint8), namespace["swizzle_blockscale"](scale).view(torch.uint8)
+    )
     mma = glue.prep.mma_view(ours, 256, 24 * 16)
     assert mma.untyped_storage().data_ptr() == ours.untyped_storage().data_ptr()
-    assert torch.equal(_mma_to_logical(mma, 256, 24 * 16).view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(
+        _mma_to_logical(mma, 256, 24 * 16).view(torch.uint8), scale.view(torch.uint8)
+    )
 
 
 def test_view_has_flashinfers_keys(glue: b12x_glue.Glue) -> None:
