@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING or __package__:
-    from . import allreduce_probes, kernel_probes, load_probes, v41_probes
+    from . import allreduce_probes, kernel_probes, load_probes, situ_forward, v41_probes
     from .probe_support import (
         DEEP_GEMM,
         MISSING,
@@ -38,6 +38,7 @@ else:  # loaded by child.py as a script: this directory is sys.path[0]
     import allreduce_probes
     import kernel_probes
     import load_probes
+    import situ_forward
     import v41_probes
     from probe_support import (
         DEEP_GEMM,
@@ -274,6 +275,10 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     ),
     "v41_indexer": (v41_probes.probe_v41_indexer, v41_probes.FIELDS),
     "kernel_fit": (probe_kernel_fit, (kernel_probes.FIELD, kernel_probes.INPUTS)),
+    "nvfp4_moe_situ_forward": (
+        lambda args: {situ_forward.FIELD: situ_forward.situ_first_forward(args, publish)},
+        (situ_forward.FIELD,),
+    ),
 }
 
 
