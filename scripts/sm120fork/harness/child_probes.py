@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import allreduce_probes, kernel_probes, load_probes, v41_probes
+from . import allreduce_probes, kernel_probes, load_probes, situ_forward, v41_probes
 from .probe_support import (
     DEEP_GEMM,
     MISSING,
@@ -249,6 +249,10 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     ),
     "v41_indexer": (v41_probes.probe_v41_indexer, v41_probes.FIELDS),
     "kernel_fit": (probe_kernel_fit, (kernel_probes.FIELD, kernel_probes.INPUTS)),
+    "nvfp4_moe_situ_forward": (
+        lambda args: {situ_forward.FIELD: situ_forward.situ_first_forward(args, publish)},
+        (situ_forward.FIELD,),
+    ),
 }
 
 
