@@ -130,6 +130,7 @@ def _venv(root: Path, requires: list[str]) -> Path:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("SM120_GATE_ENV", raising=False)
+    monkeypatch.delenv("SM120_ENV_ROOT", raising=False)
     monkeypatch.delenv(decisionenv.OVERRIDE_VARIABLE, raising=False)
     monkeypatch.setenv(decisionenv.INSTALL_VARIABLE, "no")
     fork = tmp_path / "fork"
@@ -181,6 +182,8 @@ def test_pins_are_read_from_the_tag_the_rebase_was_given(tmp_path: Path) -> None
     commit = git_output("rev-parse", "HEAD", cwd=work)
     decisionenv.record_pins(release, None, commit)
     assert (release / decisionenv.PINS_FILE).read_text() == "torch==2.14.1\n"
+    made = git_output("show", "-s", "--format=%cI", "HEAD", cwd=work)  # resolve as of then
+    assert (release / decisionenv.RELEASED_FILE).read_text() == f"{made}\n"
     git("rm", "-q", "python/pyproject.toml", cwd=work)
     git("commit", "-q", "-m", "no pins", cwd=work)
     git("fetch", "-q", str(work), "HEAD", cwd=bare)
