@@ -41,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_envs
 import bench_gates
 import bench_git
 import bench_rebase_growth
@@ -50,8 +51,11 @@ import rebase_verify
 from bench_common import PROJECT, Row, machine
 from bench_results import RESULTS_MD, render, results_file
 
-GROUPS = ("apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth", "rebase-verify")
-DEFAULT = [g for g in GROUPS if g != "rebase-verify"]  # needs the gate environment
+GROUPS = (
+    "apply", "rebase", "gates", "wheel", "git", "growth", "rebase-growth", "rebase-verify", "envs"
+)  # fmt: skip
+# rebase-verify needs the gate environment; envs installs ~50 GB of them (bench_envs.py)
+DEFAULT = [g for g in GROUPS if g not in ("rebase-verify", "envs")]
 OUT = PROJECT / "build" / "bench"
 TESTS = OUT / "tests.json"
 
@@ -93,6 +97,9 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
     if "rebase-verify" in chosen:
         _say("rebase-verify: the fork onto a synthetic release, verified, in the gate env")
         rows.append(rebase_verify.row(args.rebase_runs, sub("rebase-verify")))
+    if "envs" in chosen:
+        _say("envs: every release's decision environment from an empty uv cache")
+        rows.extend(bench_envs.rows(sub("envs"), args.envs_json))
     if "growth" in chosen:
         _say(f"growth: synthetic series of {args.sizes} patches")
         growth = bench_series.growth(args.runs, args.sizes, sub("growth"), args.check_sizes)
@@ -158,6 +165,9 @@ def main() -> int:
         "--check-sizes", type=int, nargs="*", default=[1000], help="sizes for check alone"
     )
     parser.add_argument("--only", nargs="+", choices=GROUPS, default=DEFAULT)
+    parser.add_argument(
+        "--envs-json", type=Path, help="the group envs from bench_envs.py --json, not measured"
+    )
     parser.add_argument("--with-tests", action="store_true", help="also time `nox -s tests`")
     parser.add_argument(
         "--tests-only",
