@@ -113,6 +113,9 @@ def test_a_refusal_whose_case_upstream_now_resolves_otherwise_is_for_review() ->
     assert 'now "flashinfer_sparse_mla", before "nsa"' in verdict.reason
     unchanged = (then, refused, then)
     assert verdicts.after_carry("0.5.19", [refusal], unchanged, ("sm120",), ()).ok
+    # The release before, run where its tree does not load, shows no resolution.
+    unloaded = seen(sm120={"error": "ImportError: cannot import name 'x' from 'sgl_kernel'"})
+    assert verdicts.after_carry("0.5.19", [refusal], (now, refused, unloaded), ("sm120",), ()).ok
 
 
 def _venv(root: Path, requires: list[str]) -> Path:
