@@ -224,6 +224,38 @@ def _disk(venv: str) -> float | None:
     return round(int(ran.stdout.split()[0]) / 1e9, 1) if ran.returncode == 0 else None
 
 
+def interrupted(fork: Path, timed: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """The report of a replay stopped from outside (its process killed) as far as the
+    rebase's saved state got, and the tool's wall time per release from `timed`, its
+    stderr with each line prefixed by the epoch second it came (`tail -F | date`),
+    counted from the end of the fetch (the newest fetched release's directory)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dataclasses import replace
+
+    from sm120fork.gates.diff import GateDiff
+    from sm120fork.rebase import report as rebase_report
+    from sm120fork.rebase.state import StateDir
+
+    state_dir = StateDir.of(fork)
+    state = state_dir.load()
+    state = replace(state, release_gates=state.release_gates or {})
+    data = dict(rebase_report.build(state, "conflict", GateDiff.empty(), None).to_json())
+    data["result"] = f"interrupted at sglang {state.target.version}"
+    data["releases"] = [t.version for t in state.targets[: state.release_index + 1]]
+    fetched = fork / "build" / "rebase" / "upstream"
+    last = max(p.stat().st_mtime for p in fetched.iterdir())
+    current = state.targets[0].version
+    seconds: dict[str, float] = {}
+    for line in timed.read_text().splitlines() if timed.is_file() else []:
+        stamp, _, text = line.partition(" ")
+        now = float(stamp)
+        seconds[current] = seconds.get(current, 0.0) + max(0.0, now - last)
+        last = now
+        if found := _AT.search(text):
+            current = found[1] or found[2]
+    return data, seconds
+
+
 def patch_header(fork: Path, name: str) -> str:
     text = (fork / "patches" / name).read_text()
     return text[: text.index("\n---\n") + 5]
@@ -240,9 +272,20 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "rebases")
     parser.add_argument("--verify", action="store_true", help="run the rows on the result")
+    parser.add_argument(
+        "--interrupted", action="store_true", help="write the result of a killed replay"
+    )
     args = parser.parse_args()
     fork = args.work / "fork"
     log = args.work / "stops.json"
+    if args.interrupted:
+        data, per_release = interrupted(fork, args.work / "timed.log")
+        saved = json.loads(log.read_text()) if log.is_file() else {"stops": [], "seconds": 0}
+        seconds = sum(per_release.values())
+        result = replay_report.build(BASE, args.to, data, saved["stops"], seconds)
+        replay_report.add_costs(result, per_release, _disk)
+        say(f"{data['result']}: {replay_report.write(args.out, result)}")
+        return 0
     if args.record:
         say(f"recorded {record(fork).relative_to(ROOT)}; add its .toml, then --resume")
         return 0
