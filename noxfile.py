@@ -142,7 +142,7 @@ def review(session: nox.Session) -> None:
 # dependencies (torch+CUDA, sgl-kernel, flashinfer, ... ~11 GB), because sglang
 # imports its CUDA extensions once torch.cuda is faked as available. The venv lives
 # outside the checkout (~/.cache/sglang-sm120/gate-env-<version>), so fresh clones
-# reuse it; `sm120fork.gateenv` installs it, a line per phase, pip's output in a log.
+# reuse it; `sm120fork.gateenv` installs it with uv, a line per phase, uv's output in a log.
 # The tested sglang tree shadows the installed one through sys.path (gatetable/README.md).
 
 GATE_TESTS = "tests/gates"

@@ -33,13 +33,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_envs
 import bench_rebase_growth
 import bench_series
 import bench_tests
 from bench_common import PROJECT, Row, machine
 from bench_results import RESULTS_MD, render, results_file
 
-GROUPS = ("growth", "rebase-growth")
+GROUPS = ("growth", "rebase-growth", "envs")
+# envs installs every release's decision environment, ~55 GB (bench_envs.py): opt-in
+DEFAULT = ["growth", "rebase-growth"]
 OUT = PROJECT / "build" / "bench"
 TESTS = OUT / "tests.json"
 
@@ -61,6 +64,10 @@ def measure(args: argparse.Namespace, scratch: Path) -> tuple[list[Row], list[di
         for result in carried:
             by_size.setdefault(result["patches"], {"patches": result["patches"]}).update(result)
         growth = sorted(by_size.values(), key=lambda r: r["patches"])
+    if "envs" in args.only:
+        print("bench: envs, every release's decision environment from an empty uv cache", file=sys.stderr)
+        (scratch / "envs").mkdir()
+        rows.extend(bench_envs.rows(scratch / "envs", args.envs_json))
     return rows, growth
 
 
@@ -72,7 +79,10 @@ def main() -> int:
     parser.add_argument(
         "--check-sizes", type=int, nargs="*", default=[1000], help="sizes for check alone"
     )
-    parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS))
+    parser.add_argument("--only", nargs="+", choices=GROUPS, default=DEFAULT)
+    parser.add_argument(
+        "--envs-json", type=Path, help="the group envs from bench_envs.py --json, not measured"
+    )
     parser.add_argument("--with-tests", action="store_true", help="also time both test tiers")
     args = parser.parse_args()
     info = machine()
