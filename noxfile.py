@@ -25,6 +25,7 @@ nox.options.default_venv_backend = "venv"
 PYTHON = "3.11"
 TOOL = ["python", "-m", "sm120fork"]
 TEST_DEPS = ["pytest>=8", "hypothesis>=6", "pyyaml>=6"]  # yaml: the workflow test
+FAST_MARKS = ["-m", "not slow and not network"]  # the fast tier's tool tests
 LINT_DEPS = ["ruff", "mypy", *TEST_DEPS, "nox", "check-jsonschema"]
 
 
@@ -50,21 +51,30 @@ def gates(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """The whole test suite: the tool's tests, and beside them the architecture-gate tests.
 
+    `-- --fast`: the fast tier: the tool's tests but those marked slow or network,
+    and of the gate tests the table's matrix on the pristine and patched trees (every
+    row's bite: each row naming a patch fails on pristine, every row passes patched).
     The tool's tests run in the background (their output is shown when they end)
     while the gate tests run: either alone leaves one of the two cores mostly idle
     (pytest is one process; the gate matrix waits on its children).
     """
+    args = list(session.posargs)
+    fast = "--fast" in args
+    if fast:
+        args.remove("--fast")
     _install_tool(session)
     session.install(*TEST_DEPS)
     scratch = Path(tempfile.mkdtemp(prefix="sm120fork-tests-"))
-    quick = _start_quick_tests(session, scratch)
+    quick = _start_quick_tests(session, scratch, [*(FAST_MARKS if fast else []), *args])
     try:
         # The gate table on three trees in one matrix: pristine, patched, and the fork's
         # wheel as a user installs it (one pool of children keeps both cores busy).
-        wheel_site = str(_installed_fork_wheel(session))
-        trees = ["pristine", "patched", f"installed-wheel={wheel_site}"]
+        trees = ["pristine", "patched"]
+        if not fast:
+            trees.append(f"installed-wheel={_installed_fork_wheel(session)}")
         tree_args = [arg for tree in trees for arg in ("--gate-tree", tree)]
-        _run_gate_tests(session, [*tree_args, f"--basetemp={scratch / 'gates'}"])
+        target = GATE_MATRIX if fast else GATE_TESTS
+        _run_gate_tests(session, [*tree_args, f"--basetemp={scratch / 'gates'}"], target)
     finally:
         quick_failed = _finish_quick_tests(session, *quick)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -72,17 +82,17 @@ def tests(session: nox.Session) -> None:
         session.error("the tool's tests failed (their output is above)")
 
 
-def _start_quick_tests(session: nox.Session, scratch: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def _start_quick_tests(
+    session: nox.Session, scratch: Path, args: list[str]
+) -> tuple[subprocess.Popen[bytes], Path]:
     log = scratch / "quick.log"
     bin_dir = str(session.bin)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     argv = [f"{bin_dir}/pytest", "-q", f"--ignore={GATE_TESTS}", f"--basetemp={scratch / 'quick'}"]
     argv.append("--durations=10")  # where the suite's time goes, at its end
-    session.log(f"{' '.join(argv[1:])} *session.posargs (in the background, output at its end)")
+    session.log(f"{' '.join([*argv[1:], *args])} (in the background, output at its end)")
     with log.open("wb") as out:
-        process = subprocess.Popen(
-            [*argv, *session.posargs], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
+        process = subprocess.Popen([*argv, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
     return process, log
 
 
@@ -132,7 +142,7 @@ def review(session: nox.Session) -> None:
 # dependencies (torch+CUDA, sgl-kernel, flashinfer, ... ~11 GB), because sglang
 # imports its CUDA extensions once torch.cuda is faked as available. The venv lives
 # outside the checkout (~/.cache/sglang-sm120/gate-env-<version>), so fresh clones
-# reuse it; `sm120fork.gateenv` installs it, a line per phase, pip's output in a log.
+# reuse it; `sm120fork.gateenv` installs it with uv, a line per phase, uv's output in a log.
 # The tested sglang tree shadows the installed one through sys.path (gatetable/README.md).
 
 GATE_TESTS = "tests/gates"
@@ -160,17 +170,26 @@ def _installed_fork_wheel(session: nox.Session) -> Path:
     return site
 
 
-def _run_gate_tests(session: nox.Session, args: list[str], target: str = GATE_TESTS) -> None:
+def _run_gate_tests(session: nox.Session, args: list[str], target: str | None = GATE_TESTS) -> None:
     python = _gate_env(session)
-    pytest = [str(python), "-m", "pytest", target, f"--confcutdir={GATE_TESTS}"]
+    pytest = [
+        str(python),
+        "-m",
+        "pytest",
+        *([target] if target else []),
+        f"--confcutdir={GATE_TESTS}",
+    ]
     session.run(*pytest, "-p", "no:cacheprovider", "-q", *args, external=True)
 
 
 @nox.session(python=PYTHON)
 def gate_tests(session: nox.Session) -> None:
-    """Architecture-gate tests, pristine and patched (`-- --gate-tree DIR` etc.: pytest args)."""
+    """Architecture-gate tests, pristine and patched (`-- tests/gates/test_X.py --gate-tree DIR`).
+
+    The arguments go to pytest; a test file among them runs instead of all of tests/gates."""
     _install_tool(session)
-    _run_gate_tests(session, session.posargs)
+    named = any(arg.split("::")[0].startswith(GATE_TESTS) for arg in session.posargs)
+    _run_gate_tests(session, session.posargs, None if named else GATE_TESTS)
 
 
 @nox.session(python=PYTHON)
@@ -189,16 +208,7 @@ def explain(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
-def gate_bench(session: nox.Session) -> None:
-    """Time the full gate matrix (benchmarks/gate_matrix.py; `-- --jobs 1 2 3`)."""
-    _install_tool(session)
-    python = _gate_env(session)
-    session.run(str(python), "benchmarks/gate_matrix.py", *session.posargs, external=True)
-
-
-@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """The tools against the standard tools on real upstream data (`-- --with-tests`)."""
+    """How apply, check and the rebase grow against the standard tools (`-- --with-tests`)."""
     _install_tool(session)
-    session.install("wheel")
     session.run("python", "benchmarks/bench.py", *session.posargs)

@@ -1,5 +1,5 @@
 """How the rebase grows with the series: synthetic series of N patches carried one
-synthetic release, the tool against `git am -3` by hand (rebase_step.py's route).
+synthetic release, the tool against `git am -3` by hand.
 
 Set-up (not timed): a fork repo holding the project's vendor/ (0.5.23, its lock
 and manifest) and N one-line patches (bench_series.py's synthetic series); a
@@ -24,12 +24,40 @@ from pathlib import Path
 from typing import Any
 
 import bench_series
-import rebase_step
 from bench_common import PROJECT, Row, compare, run, tool, tool_env
+from sm120fork import gitcmd
 from sm120fork.patches.series import read_series
 
 OLD, NEW = "0.5.23", "0.5.24"
 MARK = "# sm120 bench: upstream {new}\n"
+IDENTITY = {
+    "GIT_AUTHOR_NAME": "bench",
+    "GIT_AUTHOR_EMAIL": "bench@example.com",
+    "GIT_COMMITTER_NAME": "bench",
+    "GIT_COMMITTER_EMAIL": "bench@example.com",
+    "GIT_CONFIG_GLOBAL": "/dev/null",
+}
+CACHE_VARIABLES = ("SM120FORK_GATE_SCAN_CACHE", "SM120FORK_INTENT_CACHE")
+
+
+def git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    return gitcmd.run(args, cwd, check=check, env=IDENTITY)
+
+
+def commit_tree(repo: Path, tree: Path, message: str, tag: str) -> None:
+    for entry in repo.iterdir():
+        if entry.name != ".git":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    shutil.copytree(tree, repo, dirs_exist_ok=True)
+    git(repo, "add", "-A", "-f", ".")
+    git(repo, "commit", "-q", "-m", message)
+    git(repo, "tag", tag)
+
+
+def cached_env(env: dict[str, str], cache: Path) -> dict[str, str]:
+    """`env` with the tool's caches in `cache` (and nowhere a variable names)."""
+    kept = {k: v for k, v in env.items() if k not in CACHE_VARIABLES}
+    return {**kept, "XDG_CACHE_HOME": str(cache)}
 
 
 def _next_release(old: Path, new: Path, touched: set[str]) -> None:
@@ -50,9 +78,9 @@ def setup(scratch: Path, size: int) -> tuple[Path, Path]:
     run(["cp", "-a", PROJECT / "vendor", fork / "vendor"])
     shutil.copytree(made / "patches", fork / "patches")
     (fork / "CHANGELOG.md").write_text(f"# Changelog\n\n## {OLD}+sm120.1 - 2026-11-29\n")
-    rebase_step.git(fork, "init", "-q", ".")
-    rebase_step.git(fork, "add", "-A", ".")
-    rebase_step.git(fork, "commit", "-q", "-m", "fork")
+    git(fork, "init", "-q", ".")
+    git(fork, "add", "-A", ".")
+    git(fork, "commit", "-q", "-m", "fork")
     touched = {
         line.split(" b/", 1)[1].removeprefix("python/sglang/").strip()
         for patch in (fork / "patches").glob("*.patch")
@@ -72,15 +100,15 @@ def setup(scratch: Path, size: int) -> tuple[Path, Path]:
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, dest)
     remote = scratch / "upstream"
     remote.mkdir()
-    rebase_step.git(remote, "init", "-q", ".")
-    rebase_step.commit_tree(remote, old_tree, f"sglang {OLD}", f"v{OLD}")
-    rebase_step.commit_tree(remote, new_tree, f"sglang {NEW}", f"v{NEW}")
+    git(remote, "init", "-q", ".")
+    commit_tree(remote, old_tree, f"sglang {OLD}", f"v{OLD}")
+    commit_tree(remote, new_tree, f"sglang {NEW}", f"v{NEW}")
     return fork, remote
 
 
 def seed_cache(fork: Path, cache: Path) -> None:
     """The old tree's gate scan, as `nox -s gates` leaves it in the user's cache."""
-    env = rebase_step.cached_env(tool_env(), cache)
+    env = cached_env(tool_env(), cache)
     out = cache.parent / "gates-seed"
     run(tool("-C", fork, "gates", "--out", out), env=env, ok=(0, 1))
 
@@ -88,7 +116,7 @@ def seed_cache(fork: Path, cache: Path) -> None:
 def by_tool(fork: Path, remote: Path, seed: Path, cache: Path) -> float:
     shutil.rmtree(cache, ignore_errors=True)
     shutil.copytree(seed, cache)
-    env = rebase_step.cached_env({**os.environ, **rebase_step.IDENTITY, **tool_env()}, cache)
+    env = cached_env({**os.environ, **IDENTITY, **tool_env()}, cache)
     argv = [*tool("-C", fork, "rebase", f"v{NEW}"), "--upstream-git", remote.as_uri()]
     start = time.perf_counter()
     done = subprocess.run([*argv, "--dry-run"], env=env, capture_output=True, text=True)
@@ -104,17 +132,17 @@ def by_hand(scratch: Path, remote: Path, fork: Path) -> float:
     patches = fork / "patches"
     names = read_series(patches / "series").names
     start = time.perf_counter()
-    rebase_step.git(scratch, "clone", "-q", "--no-checkout", remote.as_uri(), str(work))
-    rebase_step.git(work, "checkout", "-q", f"v{OLD}")
-    rebase_step.git(work, "am", "-q", *(str(patches / name) for name in names))
+    git(scratch, "clone", "-q", "--no-checkout", remote.as_uri(), str(work))
+    git(work, "checkout", "-q", f"v{OLD}")
+    git(work, "am", "-q", *(str(patches / name) for name in names))
     mails = work / ".git" / "mails"
-    rebase_step.git(work, "format-patch", "-q", "-o", str(mails), f"v{OLD}..HEAD")
-    rebase_step.git(work, "checkout", "-q", f"v{NEW}")
+    git(work, "format-patch", "-q", "-o", str(mails), f"v{OLD}..HEAD")
+    git(work, "checkout", "-q", f"v{NEW}")
     for mail in sorted(mails.iterdir()):
-        if rebase_step.git(work, "am", "-q", "-3", str(mail), check=False).returncode != 0:
-            rebase_step.git(work, "am", "--skip")
+        if git(work, "am", "-q", "-3", str(mail), check=False).returncode != 0:
+            git(work, "am", "--skip")
     refreshed = work / ".git" / "refreshed"
-    rebase_step.git(work, "format-patch", "-q", "-o", str(refreshed), f"v{NEW}..HEAD")
+    git(work, "format-patch", "-q", "-o", str(refreshed), f"v{NEW}..HEAD")
     return time.perf_counter() - start
 
 

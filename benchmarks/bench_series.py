@@ -1,5 +1,5 @@
-"""Apply and check: the project's series against GNU quilt, and how both grow with
-synthetic series of N small patches.
+"""Apply and check: how both grow with synthetic series of N small patches (apply
+against GNU quilt).
 
 Fairness of `apply`: `sm120fork apply --out DIR` reads vendor/sglang and writes
 a whole patched tree to DIR (it copies the pristine tree, then writes the
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import PROJECT, Row, compare, fresh, repeat, run, timed, tool, tool_env
-from sm120fork.patches.series import read_series
 
 VENDOR = PROJECT / "vendor"
 APPLY_TARGET = 1.0  # ours / `cp -a` + `quilt push -a`, at every size
@@ -60,25 +59,6 @@ def apply_quilt(repo: Path, copy: Path) -> float:
 
 def check_ours(repo: Path) -> float:
     return timed(tool("-C", repo, "check"), env=tool_env())
-
-
-def apply_row(runs: int, scratch: Path) -> Row:
-    """The project's own series."""
-    count = len(read_series(PROJECT / "patches" / "series").names)
-    ours, base = compare(
-        runs,
-        lambda: apply_ours(PROJECT, scratch / "ours"),
-        lambda: apply_quilt(PROJECT, scratch / "quilt"),
-    )
-    return Row(
-        what=f"apply the whole series ({count} patches) to the pinned tree",
-        ours="`sm120fork apply --out DIR`",
-        baseline="`cp -a vendor/sglang DIR` + `quilt push -a`",
-        ours_s=tuple(ours),
-        baseline_s=tuple(base),
-        target_ratio=APPLY_TARGET,
-        note="copy counted on both sides",
-    )
 
 
 def growth(

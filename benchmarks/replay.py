@@ -21,8 +21,11 @@ with no recorded resolution ends the replay there (exit 1); --record saves the
 work tree's edits as that resolution's patch text and --resume goes on.
 
 Gate environments: a release's behaviour check needs that release's; only those
-of --install-envs are installed (SM120_GATE_ENV_INSTALL; default none, since each
-is about 11 GB), so a release without one says so in its stop's reason. Results: replay_report.py
+of --install-envs are installed (SM120_GATE_ENV_INSTALL; default none; `''`: every
+release's, with uv about 55 GB for 0.5.9 ... 0.5.23, benchmarks/bench_envs.py), so
+a release without one says so in its stop's reason. Per release the result names
+the environment that decided its rows, that venv's size and the tool's wall time
+there. Results: replay_report.py
 writes <out>/replay-<from>-to-<to>.{json,md}; with --verify, after a complete
 replay, the landed series' own rows are run on the final patched tree (SM12x
 cells, the target's gate environment) and the result says which patches still do
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,11 +74,28 @@ def run(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProces
     return subprocess.run(args, cwd=cwd, env=env, text=True, check=check, capture_output=True)
 
 
+# The release a progress line of the rebase works on (carry, or its rows on pristine).
+_AT = re.compile(r"release \d+/\d+ sglang (\S+?):|on (?:pristine|patched) sglang (\S+) in")
+SECONDS: dict[str, float] = {}  # per release: the tool's wall time there, over every call
+
+
 def tool(fork: Path, *args: str) -> int:
-    """`sm120fork -C fork ARGS`, its progress streamed through (stderr)."""
+    """`sm120fork -C fork ARGS`, its progress streamed through (stderr), its wall time
+    counted to the release its progress lines name (SECONDS)."""
     env = {**os.environ, **IDENTITY, "PYTHONPATH": str(ROOT / "scripts")}
     command = [sys.executable, "-m", "sm120fork", "-C", str(fork), *args]
-    return subprocess.run(command, env=env, check=False).returncode
+    current, last = "", time.monotonic()
+    with subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            now = time.monotonic()
+            SECONDS[current] = SECONDS.get(current, 0.0) + now - last
+            last = now
+            if found := _AT.search(line):
+                current = found[1] or found[2]
+        SECONDS[current] = SECONDS.get(current, 0.0) + time.monotonic() - last
+        return proc.wait()
 
 
 def setup(fork: Path) -> None:
@@ -179,18 +200,71 @@ def verify(fork: Path, to: str) -> dict[str, Any]:
         say(f"running the series' rows on the patched sglang {to} (sm120, sm121) in {env.venv}")
         args = ["run", "--tree", str(tree / "python"), *SM12X]
         run(fork, *harness, *args, "--jobs", "2", "--json", str(obs))
+    from sm120fork.harness import spec, table
+
+    observations = json.loads(obs.read_text())
+    rows_dir = fork / "gatetable"  # the fork's own rows, not this checkout's
+    archs = [a.name for a in spec.load_archs(rows_dir / "archs.toml")]
+    rows = table.load_table(archs, rows_dir / "expectations.toml").rows
     found: dict[str, Any] = {}
     for name in read_series(fork / "patches" / "series").names:
-        judged = run(fork, *harness, "cells", str(obs), f"--patch={name}", *SM12X)
-        cells = json.loads(judged.stdout)
+        cells = [
+            (row, cell)
+            for row in rows
+            if row.patch == name
+            for cell in table.check_row(row, observations)
+            if cell.arch in ("sm120", "sm121")
+        ]
         wrong = [
-            f"row {c['row']} {c['scenario']}:{c['field']} {c['arch']}: expected "
-            f"{c['expected']}, observed {c['observed']}"
-            for c in cells
-            if not c["ok"]
+            f"row {row.number} {row.scenario}:{row.field} {cell.arch}: expected "
+            f"{table.render(cell.expected)}, observed {table.render(cell.observed)}"
+            for row, cell in cells
+            if not cell.ok
         ]
         found[name] = {"cells": len(cells), "wrong": wrong}
     return found
+
+
+def _saved(stops: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    return {"stops": stops, "seconds": seconds, "per_release": SECONDS}
+
+
+def _disk(venv: str) -> float | None:
+    """GB that a decision venv holds, its hard links to the uv cache counted in full."""
+    ran = subprocess.run(["du", "-sb", venv], capture_output=True, text=True, check=False)
+    return round(int(ran.stdout.split()[0]) / 1e9, 1) if ran.returncode == 0 else None
+
+
+def interrupted(fork: Path, timed: Path) -> tuple[dict[str, Any], dict[str, float]]:
+    """The report of a replay stopped from outside (its process killed) as far as the
+    rebase's saved state got, and the tool's wall time per release from `timed`, its
+    stderr with each line prefixed by the epoch second it came (`tail -F | date`),
+    counted from the end of the fetch (the newest fetched release's directory)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from dataclasses import replace
+
+    from sm120fork.gates.diff import GateDiff
+    from sm120fork.rebase import report as rebase_report
+    from sm120fork.rebase.state import StateDir
+
+    state_dir = StateDir.of(fork)
+    state = state_dir.load()
+    state = replace(state, release_gates=state.release_gates or {})
+    data = dict(rebase_report.build(state, "conflict", GateDiff.empty(), None).to_json())
+    data["result"] = f"interrupted at sglang {state.target.version}"
+    data["releases"] = [t.version for t in state.targets[: state.release_index + 1]]
+    fetched = fork / "build" / "rebase" / "upstream"
+    last = max(p.stat().st_mtime for p in fetched.iterdir())
+    current = state.targets[0].version
+    seconds: dict[str, float] = {}
+    for line in timed.read_text().splitlines() if timed.is_file() else []:
+        stamp, _, text = line.partition(" ")
+        now = float(stamp)
+        seconds[current] = seconds.get(current, 0.0) + max(0.0, now - last)
+        last = now
+        if found := _AT.search(text):
+            current = found[1] or found[2]
+    return data, seconds
 
 
 def patch_header(fork: Path, name: str) -> str:
@@ -209,9 +283,20 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "rebases")
     parser.add_argument("--verify", action="store_true", help="run the rows on the result")
+    parser.add_argument(
+        "--interrupted", action="store_true", help="write the result of a killed replay"
+    )
     args = parser.parse_args()
     fork = args.work / "fork"
     log = args.work / "stops.json"
+    if args.interrupted:
+        data, per_release = interrupted(fork, args.work / "timed.log")
+        saved = json.loads(log.read_text()) if log.is_file() else {"stops": [], "seconds": 0}
+        seconds = sum(per_release.values())
+        result = replay_report.build(BASE, args.to, data, saved["stops"], seconds)
+        replay_report.add_costs(result, per_release, _disk)
+        say(f"{data['result']}: {replay_report.write(args.out, result)}")
+        return 0
     if args.record:
         say(f"recorded {record(fork).relative_to(ROOT)}; add its .toml, then --resume")
         return 0
@@ -220,6 +305,7 @@ def main() -> int:
     if args.resume:
         saved = json.loads(log.read_text())
         stops, spent = saved["stops"], saved["seconds"]
+        SECONDS.update(saved.get("per_release", {}))
         if stops and stops[-1]["class"] == "unrecorded":
             stops.pop()  # its resolution is recorded now: counted again below
     else:
@@ -232,18 +318,19 @@ def main() -> int:
         version, patch = stopped_at(data)
         resolved = resolve(fork, version, patch, stops)
         seconds = spent + time.monotonic() - started
-        log.write_text(json.dumps({"stops": stops, "seconds": seconds}, indent=1))
+        log.write_text(json.dumps(_saved(stops, seconds), indent=1))
         if not resolved:
             break
         data = report(fork)
     seconds = spent + time.monotonic() - started
-    log.write_text(json.dumps({"stops": stops, "seconds": seconds}, indent=1))
+    log.write_text(json.dumps(_saved(stops, seconds), indent=1))
     for stop in stops:  # the recorded resolution is the source of a stop's class
         found = resolution(stop["release"], stop["patch"])
         if found is not None:
             stop["class"], stop["note"] = found[0]["class"], found[0]["note"]
     rows = verify(fork, args.to) if args.verify and data["result"] == "complete" else None
     result = replay_report.build(BASE, args.to, data, stops, seconds, rows)
+    replay_report.add_costs(result, SECONDS, _disk)
     paths = replay_report.write(args.out, result)
     say(f"{data['result']}: {len(stops)} stops for a person in {seconds:.0f} s; {paths}")
     if data["result"] == "conflict":

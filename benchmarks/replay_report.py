@@ -9,7 +9,9 @@ reason and the person's note; the stops counted by class; the wall time.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +40,27 @@ def walk(data: dict[str, Any]) -> list[dict[str, Any]]:
                     "strategy": "person" if step.get("by_hand") else strategy,
                     "by_hand": bool(step.get("by_hand")),
                     "detail": step["detail"],
+                    "verified": step.get("verified", ""),
                 }
             )
     return [{"release": version, "patches": found} for version, found in releases.items()]
+
+
+_DECIDED = re.compile(r"decided in (/\S+)|could not run: .*?(/\S+/gate-env-\S+)")
+
+
+def add_costs(
+    result: dict[str, Any], seconds: dict[str, float], disk: Callable[[str], float | None]
+) -> None:
+    """Per release of the walk: the tool's wall time there, the environment that decided
+    its rows (`environment`, from the verdicts) and that venv's size (`disk_gb`)."""
+    for release in result["walk"]:
+        release["seconds"] = round(seconds.get(release["release"], 0.0), 1)
+        said = " ".join(f"{p['verified']} {p['detail']}" for p in release["patches"])
+        found = _DECIDED.search(said)
+        venv = (found[1] or found[2]).rstrip(";,)") if found else None
+        release["environment"] = venv
+        release["disk_gb"] = disk(venv) if venv else None
 
 
 def build(
@@ -97,6 +117,8 @@ def markdown(result: dict[str, Any]) -> str:
         for name, got in result["final_rows"].items():
             wrong = "; ".join(got["wrong"]).replace("|", "\\|") or "none"
             lines.append(f"| `{name}` | {got['cells']} | {wrong} |")
+    if any("environment" in r for r in result["walk"]):
+        lines += _costs_markdown(result)
     lines += ["", "## Strategy per release", ""]
     names = sorted({p["name"] for r in result["walk"] for p in r["patches"]})
     lines += [
@@ -110,6 +132,25 @@ def markdown(result: dict[str, Any]) -> str:
         cells = [_cell(got.get(n)) for n in names]
         lines.append(f"| {release['release']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _costs_markdown(result: dict[str, Any]) -> list[str]:
+    lines = ["", "## Verification per release", ""]
+    lines += [
+        "| release | verified | stops | decided in | wall s | venv GB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for release in result["walk"]:
+        verified = sum(p["verified"].startswith("verified") for p in release["patches"])
+        stops = sum(s["release"] == release["release"] for s in result["stop_list"])
+        stops += sum(s["release"] == release["release"] for s in result["unresolved"])
+        env = f"`{release['environment']}`" if release["environment"] else "-"
+        disk = "-" if release["disk_gb"] is None else f"{release['disk_gb']}"
+        lines.append(
+            f"| {release['release']} | {verified} of {len(release['patches'])} | {stops} | "
+            f"{env} | {release['seconds']:.0f} | {disk} |"
+        )
+    return lines
 
 
 def _cell(patch: dict[str, Any] | None) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hermetic import git
 from hermetic import output as git_output
+from sm120fork.paths import MANIFEST_NAME
 from sm120fork.upstream import manifest
 
 HEADER = """\
@@ -62,7 +63,7 @@ def write_manifest(root: Path, version: str = "0.5.9") -> None:
     """vendor/sglang.sha256 for the tree as it is now (as `import` would write it)."""
     hashes = manifest.hash_tree(root / "vendor" / "sglang")
     found = manifest.Manifest.create(version, {p: h for p, h in hashes.items() if h})
-    (root / "vendor" / manifest.FILE_NAME).write_text(manifest.dumps(found))
+    (root / "vendor" / MANIFEST_NAME).write_text(manifest.dumps(found))
 
 
 def make_fork(

@@ -113,6 +113,7 @@ def test_the_gates_the_series_adds_are_in_the_patched_tree() -> None:
         "sm120-pdmux-guard.patch",
         "sm120-b12x-fp4-gemm.patch",
         "sm120-b12x-moe-runner.patch",
+        "sm120-nvfp4-moe-situ-marlin.patch",
     }
     overlay = apply_stack(VENDOR, load_stack(RepoPaths(REPO)).patches)
     assert unmatched_added(policy, overlay.read) == []

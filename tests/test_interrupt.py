@@ -33,10 +33,12 @@ def test_sigint_exits_130(tmp_path: Path) -> None:
     """A real SIGINT while a command runs: exit 130 and one line, no traceback."""
     script = textwrap.dedent(
         """
-        import os, signal, sys
+        import os, signal, sys, time
         from sm120fork import cli
         from sm120fork.commands import check
-        check.run = lambda args: os.kill(os.getpid(), signal.SIGINT)
+        # The handler runs at the interpreter's next check, which a loaded machine can
+        # put after the lambda returns: wait for it, as a real command would be busy.
+        check.run = lambda args: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))
         (cli.Path(sys.argv[1]) / "patches").mkdir()
         (cli.Path(sys.argv[1]) / "patches" / "series").write_text("")
         raise SystemExit(cli.main(["-C", sys.argv[1], "check"]))

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import shutil
+import tomllib
+from pathlib import Path
 
 import pytest
 from hermetic import git
 from rebasefork import BASE, SA, UT, RebaseFork, edited, make_rebase_fork
 
+ROOT = Path(__file__).resolve().parents[1]
 AFTER = edited(BASE, (SA, "x_25 = 25\n", "x_25 = 'upstream'\n"))
 SERIES = [
     ("0001-util.patch", [(UT, "return False", "return None")]),
@@ -116,6 +119,39 @@ def test_dry_run_writes_only_the_report(fork: RebaseFork) -> None:
     }
     assert report["patches"][1]["conflicts"][0]["line"] == 25
     assert "work_tree" not in report
+
+
+def test_a_dry_run_that_stops_prints_its_report(
+    fork: RebaseFork, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A patch with gate-table rows, and a release that declares no pins: no environment
+    can decide its rows, so the dry run stops there (as the rebase would), and says so
+    in its report, though its work tree is a scratch directory outside the fork."""
+    monkeypatch.delenv("SM120_REBASE_GATE_ENV", raising=False)
+    table = fork.root / "gatetable"
+    table.mkdir()
+    shutil.copy(ROOT / "gatetable/archs.toml", table / "archs.toml")
+    archs = tomllib.loads((table / "archs.toml").read_text())
+    cells = "".join(f'{arch} = "x"\n' for arch in archs)
+    (table / "expectations.toml").write_text(
+        f'[[row]]\nscenario = "s"\nfield = "f"\npatch = "0001-util.patch"\n{cells}'
+    )
+    git("add", "-A", ".", cwd=fork.root)
+    git("commit", "-q", "-m", "rows", cwd=fork.root)
+    result = fork.rebase("v0.5.10", "--dry-run")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "stopped at 0001-util.patch (sglang 0.5.10)" in result.stdout
+    report = fork.report()
+    assert report["result"] == "dry-run"
+    assert fork.statuses() == {
+        "0001-util.patch": "conflict",
+        "0002-conflict.patch": "pending",
+        "0003-after.patch": "pending",
+    }
+    assert "declares no pins" in report["patches"][0]["detail"]
+    assert "stopped where the rebase would" in fork.read("build/rebase/report.md")
+    assert fork.status() == ""
 
 
 def test_a_damaged_state_is_refused_by_continue_and_cleared_by_abort(fork: RebaseFork) -> None:

@@ -113,6 +113,9 @@ def test_a_refusal_whose_case_upstream_now_resolves_otherwise_is_for_review() ->
     assert 'now "flashinfer_sparse_mla", before "nsa"' in verdict.reason
     unchanged = (then, refused, then)
     assert verdicts.after_carry("0.5.19", [refusal], unchanged, ("sm120",), ()).ok
+    # The release before, run where its tree does not load, shows no resolution.
+    unloaded = seen(sm120={"error": "ImportError: cannot import name 'x' from 'sgl_kernel'"})
+    assert verdicts.after_carry("0.5.19", [refusal], (now, refused, unloaded), ("sm120",), ()).ok
 
 
 def _venv(root: Path, requires: list[str]) -> Path:
@@ -130,6 +133,7 @@ def _venv(root: Path, requires: list[str]) -> Path:
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("SM120_GATE_ENV", raising=False)
+    monkeypatch.delenv("SM120_ENV_ROOT", raising=False)
     monkeypatch.delenv(decisionenv.OVERRIDE_VARIABLE, raising=False)
     monkeypatch.setenv(decisionenv.INSTALL_VARIABLE, "no")
     fork = tmp_path / "fork"
@@ -181,6 +185,8 @@ def test_pins_are_read_from_the_tag_the_rebase_was_given(tmp_path: Path) -> None
     commit = git_output("rev-parse", "HEAD", cwd=work)
     decisionenv.record_pins(release, None, commit)
     assert (release / decisionenv.PINS_FILE).read_text() == "torch==2.14.1\n"
+    made = git_output("show", "-s", "--format=%cI", "HEAD", cwd=work)  # resolve as of then
+    assert (release / decisionenv.RELEASED_FILE).read_text() == f"{made}\n"
     git("rm", "-q", "python/pyproject.toml", cwd=work)
     git("commit", "-q", "-m", "no pins", cwd=work)
     git("fetch", "-q", str(work), "HEAD", cwd=bare)

@@ -18,8 +18,10 @@ import pytest
 from conftest import make_sdist, make_wheel, snapshot
 from sm120fork.cli import main
 from sm120fork.errors import FatalError
-from sm120fork.upstream import available_versions, download_locked_wheel, fetch_release, lock
+from sm120fork.upstream import lock
 from sm120fork.upstream import pypi as upstream_pypi
+from sm120fork.upstream.artifacts import download_locked_wheel
+from sm120fork.upstream.fetch import available_versions, fetch_release
 
 pytestmark = pytest.mark.slow  # each import runs pip three or four times
 
@@ -243,8 +245,8 @@ def test_real_index_0_5_9(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.network
 def test_real_index_versions() -> None:
-    from sm120fork.upstream import resolve_version
     from sm120fork.upstream.pypi import available_versions
+    from sm120fork.upstream.versions import resolve_version
 
     available = available_versions()
     assert resolve_version("0.5.10.post1", available) == "0.5.10.post1"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sm120fork.upstream import PACKAGE_INDEX, UpstreamSource
+from sm120fork.upstream.source import PACKAGE_INDEX, UpstreamSource
 
 
 def test_the_package_index() -> None:

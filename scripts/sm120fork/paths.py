@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sm120fork.errors import FatalError
-from sm120fork.upstream.manifest import FILE_NAME
+
+MANIFEST_NAME = "sglang.sha256"  # the pristine tree's sha256 manifest, beside sglang.lock
 
 # Either marks a fork checkout: a new fork has its series before its first import.
 _MARKERS = ("patches/series", "vendor/sglang.lock")
@@ -32,7 +33,7 @@ class RepoPaths:
     @property
     def manifest_file(self) -> Path:
         """The sha256 of every file of the pristine tree (see upstream/manifest.py)."""
-        return self.vendor_dir / FILE_NAME
+        return self.vendor_dir / MANIFEST_NAME
 
     @property
     def patches_dir(self) -> Path:

@@ -184,10 +184,10 @@ def _sibling_imports(path: Path) -> tuple[set[str], set[str]]:
     return relative, plain
 
 
-def test_child_stays_a_standalone_script() -> None:
-    """runner.py runs child.py as a script (its directory is sys.path[0]): every module
-    it reaches imports its harness siblings relatively with a plain-import fallback, and
-    nothing else of the tool."""
+def test_child_imports_only_its_probe_siblings() -> None:
+    """The child runs as `python -m sm120fork.harness.child` (and its zygote imports it):
+    every module it reaches imports its harness siblings relatively and nothing else of
+    the tool, so a child costs torch and sglang, not the tool's own imports."""
     here = Path(child.__file__).parent
     pending, seen = ["child"], set()
     while pending:
@@ -196,9 +196,6 @@ def test_child_stays_a_standalone_script() -> None:
             continue
         seen.add(name)
         relative, plain = _sibling_imports(here / f"{name}.py")
-        assert relative <= plain, (
-            f"{name}.py lacks the plain-import fallback for {relative - plain}"
-        )
         assert not {m for m in plain if m.startswith("sm120fork")}, f"{name}.py imports the tool"
         pending += sorted(relative)
     assert {"child_probes", "load_probes", "allreduce_probes", "kernel_probes"} <= seen
@@ -240,44 +237,6 @@ def test_nvml_standin_answers_a_topology_only_while_asked(
         lib.nvmlDeviceGetCudaComputeCapability(None, ctypes.byref(major), ctypes.byref(minor)) == 0
     )
     assert (major.value, minor.value) == (12, 1)
-
-
-OLMO2_WARNING = (
-    "Attention backend triton on SM120/SM121 for Olmo2ForCausalLM: fa3 has no SM12x kernels"
-)
-
-
-def test_cells_judges_a_patch_s_rows_cell_by_cell(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`cells` (what the rebase's behaviour check reads): each SM12x cell of the rows
-    naming the patch, matched as the table matches, refusals told from blind cells."""
-    import json
-
-    from sm120fork.harness.__main__ import main
-    from sm120fork.harness.judge import ARCHS
-
-    patch = "sm120-olmo2-attention-triton.patch"
-    rows = [r for r in table.load_table(list(ARCHS)).rows if r.patch == patch]
-    # sm120 observes what each row wants: the backend, or the fallback's warning
-    sm120: dict[str, dict[str, str]] = {}
-    for r in rows:
-        value = "triton" if r.field == "attention_backend" else OLMO2_WARNING
-        sm120.setdefault(r.scenario, {})[r.field] = value
-    observations = {
-        "sm120": sm120,
-        "sm121": {r.scenario: {"error": "ValueError: refused"} for r in rows},
-    }
-    saved = tmp_path / "obs.json"
-    saved.write_text(json.dumps(observations))
-    assert main(["cells", str(saved), "--patch", patch, "--arch", "sm120", "--arch", "sm121"]) == 0
-    cells = json.loads(capsys.readouterr().out)
-    assert {(c["arch"], c["ok"], c["raised"]) for c in cells} == {
-        ("sm120", True, False),
-        ("sm121", False, True),
-    }
-    assert {c["row"] for c in cells} == {r.number for r in rows}
-    assert all(c["expects_raise"] is None for c in cells)
 
 
 def _arch_run(scenarios: dict[str, dict[str, Any]]) -> runner.ArchRun:

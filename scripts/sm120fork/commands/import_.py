@@ -17,8 +17,11 @@ from pathlib import Path
 
 from sm120fork.errors import EXIT_OK, FatalError
 from sm120fork.fsutil import swap_back, swap_in
-from sm120fork.paths import RepoPaths
-from sm120fork.upstream import SPEC_HELP, UpstreamSource, fetch_release, lock, manifest
+from sm120fork.paths import MANIFEST_NAME, RepoPaths
+from sm120fork.upstream import lock, manifest
+from sm120fork.upstream.fetch import fetch_release
+from sm120fork.upstream.source import UpstreamSource
+from sm120fork.upstream.versions import SPEC_HELP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         )
         new_lock = staging / "sglang.lock"
         new_lock.write_text(lock.dumps(release.lock(imported)), encoding="utf-8")
-        new_manifest = staging / manifest.FILE_NAME
+        new_manifest = staging / MANIFEST_NAME
         new_manifest.write_text(manifest.dumps(release.manifest()), encoding="utf-8")
         _progress(f"writing {paths.upstream_tree.relative_to(paths.root)}, its lock and manifest")
         _swap_in(
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"imported sglang {release.version} ({release.source}, {release.tree_from}); "
         f"{len(release.skipped)} binary files left out; wrote vendor/sglang.lock and "
-        f"vendor/{manifest.FILE_NAME} ({len(release.files)} files)"
+        f"vendor/{MANIFEST_NAME} ({len(release.files)} files)"
     )
     return EXIT_OK
 

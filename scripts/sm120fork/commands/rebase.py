@@ -17,7 +17,8 @@ from sm120fork.errors import FatalError
 from sm120fork.paths import RepoPaths
 from sm120fork.rebase import flow
 from sm120fork.rebase.state import StateDir
-from sm120fork.upstream import SPEC_HELP, UpstreamSource
+from sm120fork.upstream.source import UpstreamSource
+from sm120fork.upstream.versions import SPEC_HELP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

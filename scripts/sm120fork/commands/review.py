@@ -9,14 +9,36 @@ dirty work tree): nothing is written then but build/review/ itself.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 from sm120fork.errors import EXIT_OK
+from sm120fork.fsutil import atomic_write_many
 from sm120fork.paths import RepoPaths
 from sm120fork.review import review_change
-from sm120fork.review.outputs import clear, write
+from sm120fork.review.markdown import render
+from sm120fork.review.model import Review
+
+NAMES = ("review.json", "review.md")
+
+
+def clear(directory: Path) -> None:
+    """Remove an earlier run's outputs, so a failed run leaves no stale comment behind."""
+    for name in NAMES:
+        (directory / name).unlink(missing_ok=True)
+
+
+def write(review: Review, directory: Path) -> tuple[Path, Path]:
+    json_path, md_path = (directory / name for name in NAMES)
+    atomic_write_many(
+        {
+            json_path: (json.dumps(review.to_json(), indent=2, ensure_ascii=False) + "\n").encode(),
+            md_path: render(review).encode("utf-8"),
+        }
+    )
+    return json_path, md_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,10 +8,6 @@
   python -m sm120fork.harness rows OBS.json SCENARIO:FIELD [...]
       print [[row]] blocks holding the observed values (to paste into expectations.toml)
   python -m sm120fork.harness markdown OBS.json [--scenario S ...]
-  python -m sm120fork.harness judge OBS.json [--pristine]
-  python -m sm120fork.harness cells OBS.json --patch NAME [--arch A ...]
-      the cells of the rows naming a patch against saved observations, as JSON (what
-      benchmarks/replay.py reads; the rebase judges rows in sm120fork/rebase/verdicts.py)
   python -m sm120fork.harness explain --model-path DIR [--arch A ...] [-- sglang args]
       print the observations as Markdown tables (gatetable/observed-<version>.md)
 
@@ -29,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import explain, judge, report, runner, spec, table, trees
+from . import explain, report, runner, spec, table, trees
 
 
 def _tree(value: str, scratch: Path) -> trees.Tree:
@@ -125,39 +121,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_cells(args: argparse.Namespace) -> int:
-    observations = json.loads(args.observations.read_text())
-    archs = [a.name for a in spec.load_archs()]
-    cells = []
-    for row in table.load_table(archs).rows:
-        if row.patch != args.patch:
-            continue
-        for cell in table.check_row(row, observations):
-            if args.arch and cell.arch not in args.arch:
-                continue
-            raised = isinstance(cell.observed, table.Raised)
-            expected = cell.expected
-            refused = None
-            if isinstance(expected, str) and expected.startswith(table.RAISES):
-                refused = expected[len(table.RAISES) :]
-            cells.append(
-                {
-                    "row": row.number,
-                    "scenario": row.scenario,
-                    "field": row.field,
-                    "arch": cell.arch,
-                    "expected": table.render(cell.expected),
-                    "observed": table.render(cell.observed),
-                    "ok": cell.ok,
-                    "raised": raised and not cell.blind,
-                    "expects_raise": refused,
-                    "blind": cell.blind,
-                }
-            )
-    print(json.dumps(cells, indent=1))
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sm120fork.harness")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -192,15 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--json", type=Path, help="also write the comparison here")
     ex.add_argument("sglang_args", nargs=argparse.REMAINDER, help="-- then sglang arguments")
     ex.set_defaults(func=cmd_explain)
-    jd = sub.add_parser("judge", help="judge the table against saved observations")
-    jd.add_argument("observations", type=Path)
-    jd.add_argument("--pristine", action="store_true", help="judge as a pristine tree")
-    jd.set_defaults(func=lambda a: judge.judge(a.observations, a.pristine))
-    cl = sub.add_parser("cells", help="a patch's rows against saved observations, as JSON")
-    cl.add_argument("observations", type=Path)
-    cl.add_argument("--patch", required=True, help="the patch file name the rows name")
-    cl.add_argument("--arch", action="append", help="only this architecture (repeatable)")
-    cl.set_defaults(func=cmd_cells)
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

@@ -1,9 +1,8 @@
 """Child side of the gate harness: one interpreter, one faked GPU architecture.
 
-Run by ``runner.py`` as ``python child.py REQUEST.json RESULT.json`` in the gate
-environment (torch and sglang's pinned dependencies installed). It uses only the
-standard library and torch, and must stay a standalone script: no imports from the
-harness package (its sibling ``child_probes.py`` is loaded from this directory).
+Run by ``runner.py`` as ``python -P -m sm120fork.harness.child REQUEST.json RESULT.json``
+in the gate environment (torch and sglang's pinned dependencies installed), the tool on
+its PYTHONPATH. It uses the standard library, torch and its probe siblings only.
 
 Order matters: the fakes go in before sglang is imported, so every ``lru_cache``,
 module-level flag (``communicator._is_sm100_supported``, DeepGEMM flags, Triton
@@ -31,15 +30,10 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from . import child_probes, probe_support
-    from .torch_fakes import fake_hardware
-else:  # run as a script by runner.py: this directory is sys.path[0]
-    import child_probes
-    import probe_support
-    from torch_fakes import fake_hardware
+from . import child_probes, probe_support
+from .torch_fakes import fake_hardware
 
 Observation = dict[str, Any]
 MISSING = probe_support.MISSING
@@ -169,7 +163,7 @@ class _Warnings(logging.Handler):
         logging.getLogger("sglang").removeHandler(self)
 
     def text(self) -> str | None:
-        # table.LOG_SEP (child.py imports nothing from the harness package)
+        # table.LOG_SEP (the child imports only its probe siblings of the harness)
         return " | ".join(self.messages) or None
 
 

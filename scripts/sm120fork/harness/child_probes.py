@@ -1,8 +1,7 @@
 """Child side of the gate harness: the probes by name (``PROBES``, ``run_probe``) and
 the ServerArgs-level gates they read.
 
-Loaded by ``child.py`` (standalone script; this directory is its ``sys.path[0]``):
-standard library and torch only, no imports from the harness package.
+Imported by ``child.py``: standard library, torch and its probe siblings only.
 
 A probe finds its gate by capability, not by release (``probe_support.py``). When no
 known location offers the gate, every field of the probe reads ``unavailable:<why>``,
@@ -12,51 +11,27 @@ difference that tests a patch).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from . import allreduce_probes, kernel_probes, load_probes, v41_probes
-    from .probe_support import (
-        DEEP_GEMM,
-        MISSING,
-        UNAVAILABLE,
-        Observation,
-        Probe,
-        Unavailable,
-        call_by_name,
-        describe,
-        first_module,
-        function_name,
-        imp,
-        initialize,
-        module_exists,
-        plain,
-        publish,
-    )
-    from .tile_probes import probe_triton_tiles
-else:  # loaded by child.py as a script: this directory is sys.path[0]
-    import allreduce_probes
-    import kernel_probes
-    import load_probes
-    import v41_probes
-    from probe_support import (
-        DEEP_GEMM,
-        MISSING,
-        UNAVAILABLE,
-        Observation,
-        Probe,
-        Unavailable,
-        call_by_name,
-        describe,
-        first_module,
-        function_name,
-        imp,
-        initialize,
-        module_exists,
-        plain,
-        publish,
-    )
-    from tile_probes import probe_triton_tiles
+from . import allreduce_probes, kernel_probes, load_probes, situ_forward, v41_probes
+from .probe_support import (
+    DEEP_GEMM,
+    MISSING,
+    UNAVAILABLE,
+    Observation,
+    Probe,
+    Unavailable,
+    call_by_name,
+    describe,
+    first_module,
+    function_name,
+    imp,
+    initialize,
+    module_exists,
+    plain,
+    publish,
+)
+from .tile_probes import probe_triton_tiles
 
 DEEP_GEMM_FLAGS = ("ENABLE_JIT_DEEPGEMM", "DEEPGEMM_BLACKWELL", "DEEPGEMM_SCALE_UE8M0")
 
@@ -80,13 +55,13 @@ def probe_allreduce_fusion(server_args: Any) -> Observation:
     that answered (communicator.py up to 0.5.20, layer_boundary's add_norm.py later).
     """
     publish(server_args)
-    for module_name, function_name in FUSION_GATES:
+    for module_name, gate_name in FUSION_GATES:
         if module_exists(module_name):
-            gate = getattr(imp(module_name), function_name, None)
+            gate = getattr(imp(module_name), gate_name, None)
             if gate is not None:
                 return {
                     "communicator.apply_flashinfer_allreduce_fusion": bool(gate(128)),
-                    "source.allreduce_fusion": f"{module_name}.{function_name}",
+                    "source.allreduce_fusion": f"{module_name}.{gate_name}",
                     "flashinfer_comm_fusion.resolve_backend": _fusion_backend(),
                 }
     raise Unavailable("no allreduce-fusion gate: " + ", ".join(".".join(g) for g in FUSION_GATES))
@@ -274,6 +249,10 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     ),
     "v41_indexer": (v41_probes.probe_v41_indexer, v41_probes.FIELDS),
     "kernel_fit": (probe_kernel_fit, (kernel_probes.FIELD, kernel_probes.INPUTS)),
+    "nvfp4_moe_situ_forward": (
+        lambda args: {situ_forward.FIELD: situ_forward.situ_first_forward(args, publish)},
+        (situ_forward.FIELD,),
+    ),
 }
 
 

@@ -24,12 +24,9 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from .kernel_compile import TARGET_CAPABILITY, Compiler, imp, meta
-else:  # loaded by child.py as a script: this directory is sys.path[0]
-    from kernel_compile import TARGET_CAPABILITY, Compiler, imp, meta
+from .kernel_compile import TARGET_CAPABILITY, Compiler, imp, meta
 
 MODULE = "sglang.kernels.ops.attention.dsa.tilelang_kernel"
 PREFILL = "sglang.kernels.ops.attention.dsa.triton_sparse_mla_prefill"

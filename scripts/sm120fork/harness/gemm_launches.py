@@ -8,12 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from .kernel_compile import Compiler, idx, imp, meta
-else:  # loaded by child.py as a script: this directory is sys.path[0]
-    from kernel_compile import Compiler, idx, imp, meta
+from .kernel_compile import Compiler, idx, imp, meta
 
 # SM12x boards other than the faked one whose names select Triton config files
 # (get_device_name() is part of the MoE and FP8-GEMM config lookups).

@@ -16,15 +16,10 @@ and compiled with ``triton.compile`` for GPUTarget("cuda", 120, 32); nothing run
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from . import dsa_launches, gemm_launches
-    from .kernel_compile import Compiler, call_by_name, idx, imp, meta
-else:  # loaded by child.py as a script: this directory is sys.path[0]
-    import dsa_launches
-    import gemm_launches
-    from kernel_compile import Compiler, call_by_name, idx, imp, meta
+from . import dsa_launches, gemm_launches
+from .kernel_compile import Compiler, call_by_name, idx, imp, meta
 
 FIELD = "kernel_fit.launches"
 INPUTS = "kernel_fit.inputs"

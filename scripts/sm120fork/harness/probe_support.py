@@ -2,8 +2,7 @@
 the marker of a gate the tested release lacks, and finding a gate by capability (the
 module that holds it, the arguments its functions take, the ServerArgs it reads).
 
-Standard library only, no imports from the harness package: loaded by ``child.py`` as a
-sibling script (this directory is its ``sys.path[0]``) as well as from the package.
+Standard library only (imported by the child, ``child.py``).
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ def run_matrices(
     """Observe every scenario on every architecture for every tree (label -> path);
     `on_done(label, run)` is called (in this thread) as each child finishes.
 
-    `fresh_check` (tree label, architecture): that child also runs as a fresh
-    `python child.py`, and any observation that differs from its forked twin's fails
+    `fresh_check` (tree label, architecture): that child also runs in a fresh
+    interpreter, and any observation that differs from its forked twin's fails
     the matrix (HarnessError): the zygote's claim to change nothing, checked.
     `zygotes`: a pool kept across matrices (its fakes and HF_HOME are then the
     children's too); without one, this matrix's own, ended with it."""

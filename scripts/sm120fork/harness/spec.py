@@ -33,7 +33,6 @@ ARCHS_FILE = TABLE_DIR / "archs.toml"
 SCENARIOS_FILE = TABLE_DIR / "scenarios.toml"
 EXPECTATIONS_FILE = TABLE_DIR / "expectations.toml"
 MODELS_DIR = TABLE_DIR / "models"
-CHILD_SCRIPT = Path(__file__).resolve().with_name("child.py")
 TOOL_SCRIPTS = Path(__file__).resolve().parents[2]  # what holds sm120fork/
 SERIES_FILE = REPO_ROOT / "patches" / "series"
 VENDOR_PYTHON = REPO_ROOT / "vendor" / "sglang" / "python"

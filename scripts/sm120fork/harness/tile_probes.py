@@ -5,28 +5,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from .probe_support import (
-        UNAVAILABLE,
-        Observation,
-        Unavailable,
-        call_by_name,
-        describe,
-        first_module,
-        imp,
-    )
-else:  # loaded by child.py as a script: this directory is sys.path[0]
-    from probe_support import (
-        UNAVAILABLE,
-        Observation,
-        Unavailable,
-        call_by_name,
-        describe,
-        first_module,
-        imp,
-    )
+from .probe_support import (
+    UNAVAILABLE,
+    Observation,
+    Unavailable,
+    call_by_name,
+    describe,
+    first_module,
+    imp,
+)
 
 
 class _Launched(Exception):

@@ -5,28 +5,17 @@ DeepGEMM allows and with the DeepGEMM configurer turned off.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING or __package__:
-    from .probe_support import (
-        DEEP_GEMM,
-        Observation,
-        describe,
-        first_module,
-        imp,
-        module_exists,
-        plain,
-    )
-else:  # loaded by child.py as a script: this directory is sys.path[0]
-    from probe_support import (
-        DEEP_GEMM,
-        Observation,
-        describe,
-        first_module,
-        imp,
-        module_exists,
-        plain,
-    )
+from .probe_support import (
+    DEEP_GEMM,
+    Observation,
+    describe,
+    first_module,
+    imp,
+    module_exists,
+    plain,
+)
 
 V41_INDEXER = ("sglang.srt.layers.attention.dsv4.v41_indexer",)
 JIT_DEEPGEMM_OFF = "v41_indexer[SGLANG_ENABLE_JIT_DEEPGEMM=0]"

@@ -1,14 +1,14 @@
 """A fork server for the gate children of one architecture: the fakes installed and the
 heavy third-party packages imported once, then one child forked per tested tree.
 
-Run by ``runner.py`` as ``python zygote.py`` in the gate environment. Its first line
-on stdin primes it: {"arch": ARCH, "env": {...}} (the architecture as child.py
+Run by ``runner.py`` as ``python -m sm120fork.harness.zygote`` in the gate environment.
+Its first line on stdin primes it: {"arch": ARCH, "env": {...}} (the architecture as the child
 reads it, the environment every child of that architecture shares). It
 then sets that environment, installs the fake GPU (``child.fake_hardware``) and
 imports ``PRELOAD``: what a child would do first itself, since sglang imports those
 packages before it decides anything. sglang itself is never imported here: each
 tree's child imports its own. A child is therefore in the state a fresh
-``python child.py`` reaches after importing them, with the fakes already in place,
+``python -m sm120fork.harness.child`` reaches after importing them, with the fakes already in place,
 so every ``lru_cache`` and module-level flag of those packages computed itself from
 the faked GPU, as in a fresh child. The runner checks that claim on one child of
 every matrix against a fresh interpreter (runner.run_matrices, ``fresh_check``).
@@ -17,7 +17,7 @@ Protocol after priming, one JSON object a line: the runner writes {"id": N,
 "argv": [request, result], "env": {...}, "cwd": DIR, "log": FILE, "timeout": S},
 and may write the next job before the last one ended; the zygote forks each job
 at once and answers {"id": N, "exit": CODE} when it ends (CODE null when it ran
-past its timeout and was killed). Standard library, torch and child.py only.
+past its timeout and was killed). Standard library, torch and the child only.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ import select
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-importlib.import_module("torch")  # imported before anything else, as child.py does
-CHILD = str(Path(__file__).resolve().with_name("child.py"))
+importlib.import_module("torch")  # imported before anything else, as the child does
+CHILD = "sm120fork.harness.child"
 
 # About 7 of a child's 10 s of imports after torch are these packages and what they
 # import (python -X importtime, 0.5.23's pins). Not DeepGEMM: sglang sets its
@@ -64,7 +63,7 @@ def _point_output_at(path: str) -> None:
 def _prime(prime: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(prime["env"])
-    child = importlib.import_module("child")  # this directory is sys.path[0]
+    child = importlib.import_module(CHILD)
     child.fake_hardware(prime["arch"])
     for name in PRELOAD:
         try:
@@ -81,7 +80,7 @@ def _child(job: dict[str, Any]) -> int:
     os.environ.update(job["env"])
     _point_output_at(job["log"])
     sys.argv = [CHILD, *job["argv"]]
-    child = importlib.import_module("child")  # imported by _prime, as `python child.py` would
+    child = importlib.import_module(CHILD)  # imported by _prime, as a fresh child would
     try:
         return int(child.main(sys.argv))
     except SystemExit as exc:

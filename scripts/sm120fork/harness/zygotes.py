@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .spec import CHILD_SCRIPT, Arch
+from .spec import TOOL_SCRIPTS, Arch
 
-ZYGOTE_SCRIPT = CHILD_SCRIPT.with_name("zygote.py")
+# Run as modules of the tool (-P: the working directory is not put on sys.path).
+ZYGOTE = ("-P", "-m", "sm120fork.harness.zygote")
+CHILD = ("-P", "-m", "sm120fork.harness.child")
 CHILD_TIMEOUT_S = 600
 
 
@@ -47,17 +49,18 @@ def child_environ(arch: Arch, stubs: Fakes, scratch: Path, hf_home: Path) -> dic
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["HF_HOME"] = str(hf_home)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PYTHONPATH"] = str(TOOL_SCRIPTS)  # the tool, for `-m sm120fork.harness.child`
     return env
 
 
 class Zygote:
-    """One `zygote.py` primed for one architecture: every child of that architecture is
+    """One zygote (zygote.py) primed for one architecture: every child of that architecture is
     a fork of it, several at once (each `run` waits for its own child)."""
 
     def __init__(self, python: str, arch: Arch, env: Mapping[str, str], log: Path) -> None:
         self._log = log.open("w")
         self._process = subprocess.Popen(
-            [python, str(ZYGOTE_SCRIPT)],
+            [python, *ZYGOTE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -122,7 +125,7 @@ Start = Callable[[Arch, list[str], Mapping[str, str], Path, Path], int | None]
 
 
 def fresh_process(python: str) -> Start:
-    """`python child.py ...` as its own process (SM120_GATE_ZYGOTE=0, and the fresh check)."""
+    """The child as its own process (SM120_GATE_ZYGOTE=0, and the fresh check)."""
 
     def start(
         arch: Arch, argv: list[str], env: Mapping[str, str], cwd: Path, log: Path
@@ -130,7 +133,7 @@ def fresh_process(python: str) -> Start:
         with open(log, "w") as out:
             try:
                 return subprocess.run(
-                    [python, str(CHILD_SCRIPT), *argv],
+                    [python, *CHILD, *argv],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     env=dict(env),

@@ -7,9 +7,7 @@ The steps, as a maintainer would do them by hand (see `flow.py`):
 2. fetch the target release, or every release up to it with `--step`
    (`targets`);
 3. build a scratch git repository under build/rebase/work: the old base, one
-   commit per patch, then each new release as a commit on top (`workrepo`;
-   a release is committed from the git objects that hold it where they are
-   exactly its files, `releasecommits`);
+   commit per patch, then each new release as a commit on top (`workrepo`);
 4. carry each patch in series order through an ordered list of strategies
    (`carry.STRATEGIES`, each a function over a frozen `strategy.CarryContext`):
    exact, already upstream, at an offset, by intent, a 3-way merge by

@@ -7,8 +7,10 @@ was given (the git tag's `python/pyproject.toml`, or the fetched wheel's
 Requires-Dist), never downloaded again. Any gate venv whose installed sglang
 declares the same pins decides for it: the fork's own (`gateenv.locate`), or one
 under the cache (`gate-env-*`). A release whose pins no venv has gets a venv of its
-own with exactly those pins (unless `SM120_GATE_ENV_INSTALL` says no); where that
-cannot be had, the rows cannot run, and the rebase stops saying why.
+own with exactly those pins (unless `SM120_GATE_ENV_INSTALL` says no), installed
+with uv as of the release's time (`released.txt` beside its pins; uvinstall.py),
+and a verdict there names any pin overridden; where that cannot be had, the rows
+cannot run, and the rebase stops saying why (uv's own reason).
 
 `SM120_REBASE_GATE_ENV=DIR` decides every release in one venv, whatever its pins
 (the report says so).
@@ -16,6 +18,7 @@ cannot be had, the rows cannot run, and the rebase stops saying why.
 
 from __future__ import annotations
 
+import datetime
 import email
 import os
 import subprocess
@@ -30,9 +33,11 @@ from packaging.requirements import InvalidRequirement, Requirement
 from sm120fork import gateenv
 from sm120fork.errors import FatalError
 from sm120fork.progress import Progress
+from sm120fork.rebase import uvinstall
 from sm120fork.upstream.git import fetched_repository
 
 PINS_FILE = "pins.txt"  # beside a fetched release's tree
+RELEASED_FILE = "released.txt"  # when it was made: its wheel's build, its tag's commit
 INSTALL_VARIABLE = "SM120_GATE_ENV_INSTALL"  # "no", or the versions to install for
 OVERRIDE_VARIABLE = "SM120_REBASE_GATE_ENV"
 
@@ -70,22 +75,29 @@ def record_pins(workdir: Path, wheel: Path | None, git_commit: str | None) -> No
     tag's python/pyproject.toml (`git_commit` in the fetch's bare repository). A tag
     without one gets no pins file, and its rows then cannot run."""
     text: str | None = None
+    released: datetime.datetime | None = None
     if wheel is not None:
         with zipfile.ZipFile(wheel) as archive:
             name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
             metadata = email.message_from_bytes(archive.read(name))
         text = normalized(metadata.get_all("Requires-Dist") or [])
+        released = gateenv.wheel_time(wheel)
     elif git_commit is not None:
-        git_dir = fetched_repository(workdir)
+        git = ["git", "--git-dir", str(fetched_repository(workdir))]
         shown = subprocess.run(
-            ["git", "--git-dir", str(git_dir), "show", f"{git_commit}:python/pyproject.toml"],
-            capture_output=True,
-            check=False,
+            [*git, "show", f"{git_commit}:python/pyproject.toml"], capture_output=True, check=False
         )
         if shown.returncode == 0:
             text = normalized(_pyproject_dependencies(shown.stdout.decode("utf-8")))
+        dated = subprocess.run(
+            [*git, "show", "-s", "--format=%cI", git_commit], capture_output=True, check=False
+        )
+        if dated.returncode == 0:
+            released = datetime.datetime.fromisoformat(dated.stdout.decode().strip())
     if text is not None:
         (workdir / PINS_FILE).write_text(text, encoding="utf-8")
+    if released is not None:
+        (workdir / RELEASED_FILE).write_text(f"{released.isoformat()}\n", encoding="utf-8")
 
 
 def _pyproject_dependencies(text: str) -> list[str]:
@@ -130,11 +142,29 @@ def find(
     candidates = [own, *sorted(gateenv.cache_dir().glob("gate-env-*"))]
     for venv in dict.fromkeys(candidates):
         if (venv / "bin" / "python").exists() and _recorded_pins(venv) == pins:
-            return DecisionEnv(venv / "bin" / "python", f"{venv} (the same pins as {version})")
-    return _install(fork_root, version, pins, say)
+            why = f"{venv} (the same pins as {version}{_overridden(venv)})"
+            return DecisionEnv(venv / "bin" / "python", why)
+    released_file = release_dir / RELEASED_FILE
+    released = None
+    if released_file.is_file():
+        released = datetime.datetime.fromisoformat(released_file.read_text().strip())
+    return _install(fork_root, version, (pins, released), say)
 
 
-def _install(fork_root: Path, version: str, pins: str, say: Callable[[str], None]) -> DecisionEnv:
+def _overridden(venv: Path) -> str:
+    """The pins a venv's install overrode, as the verdicts name them."""
+    said = venv / uvinstall.OVERRIDES_FILE
+    lines = said.read_text(encoding="utf-8").splitlines() if said.is_file() else []
+    return "".join(f"; {line}" for line in lines if line)
+
+
+def _install(
+    fork_root: Path,
+    version: str,
+    release: tuple[str, datetime.datetime | None],
+    say: Callable[[str], None],
+) -> DecisionEnv:
+    pins, released = release
     venv = gateenv.cache_dir() / f"gate-env-{version}"
     allowed = os.environ.get(INSTALL_VARIABLE, "").strip()
     if allowed.lower() == "no" or ("." in allowed and version not in allowed.split(",")):
@@ -143,7 +173,7 @@ def _install(fork_root: Path, version: str, pins: str, say: Callable[[str], None
             f"{allowed} forbids installing one into {venv}"
         )
     tool = gateenv.locate(fork_root).requirements[1:]  # pytest and the tool's own
-    env = gateenv.GateEnv(venv, (*pins.splitlines(), *tool))
+    env = gateenv.GateEnv(venv, (*pins.splitlines(), *tool), released, tool)
     say(f"installing a gate environment with sglang {version}'s pins into {venv}")
     try:
         with Progress("gate environment", live=False) as shown:
@@ -152,4 +182,4 @@ def _install(fork_root: Path, version: str, pins: str, say: Callable[[str], None
         why = f"its pins could not be installed into {venv}: {error.message}"
         raise NoDecisionEnv(why) from error
     (venv / "sm120-gate-pins.txt").write_text(pins, encoding="utf-8")
-    return DecisionEnv(env.python, f"{venv} (installed for {version}'s pins)")
+    return DecisionEnv(env.python, f"{venv} (installed for {version}'s pins{_overridden(venv)})")

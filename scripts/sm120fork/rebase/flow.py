@@ -175,11 +175,17 @@ def _predicted(workspace: Workspace, state: RebaseState) -> int:
         for conflict in patch.conflicts:
             say(f"{patch.name} would conflict at {conflict.file}:{conflict.line}")
     outcome = f"{len(stoppers)} patches would conflict" if stoppers else "no patch conflicts"
+    if state.phase == "conflict":  # stopped where the rebase would: its rows cannot run
+        patch = state.patches[state.patch_index]
+        say(f"{patch.name}: {patch.steps[-1].reason}")
+        outcome = f"stopped at {patch.name} (sglang {state.target.version}); the rest not carried"
     print(f"dry run onto sglang {state.final.version}: {outcome}; report {md}")
     return EXIT_FINDINGS if stoppers else EXIT_OK
 
 
 def _stopped(workspace: Workspace, state: RebaseState) -> int:
+    if workspace.dry_run:  # its work tree is a scratch directory, gone when it ends
+        return _predicted(workspace, state)
     patch = state.patches[state.patch_index]
     work = workspace.work.relative_to(workspace.paths.root)
     built = report.build(state, "conflict", GateDiff.empty(), str(work))

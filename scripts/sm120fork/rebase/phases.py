@@ -16,7 +16,7 @@ from sm120fork.patches.applier import ApplyError, Overlay, apply_patch
 from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.patches.patchfile import PatchFile
 from sm120fork.progress import Counter, Progress
-from sm120fork.rebase import fate, ledger, releasecommits, targets, verify
+from sm120fork.rebase import fate, ledger, targets, verify
 from sm120fork.rebase.carry import carry
 from sm120fork.rebase.conflicts import remaining_markers
 from sm120fork.rebase.names import broken_lines
@@ -52,7 +52,7 @@ def prepare(workspace: Workspace, state: RebaseState) -> RebaseState:
     say(f"committing sglang {state.from_version} and the series in a work repository")
     repo = WorkRepo.create(workspace.work)
     message = f"sglang {state.from_version}"
-    base = releasecommits.commit_pinned(repo, workspace.paths, message)
+    base = repo.commit_dir(workspace.paths.upstream_tree, None, message)
     overlay = Overlay(workspace.paths.upstream_tree)
     series = []
     for patch in state.patches:
@@ -106,14 +106,7 @@ def _carry_release(
     if not state.tip:
         target = state.target
         parent = state.targets[index - 1].base_commit if index else state.old_base
-        base = releasecommits.commit_fetched(
-            repo,
-            workspace.tree(target.version),
-            workspace.release_dir(target.version),
-            target.lock_text,
-            parent,
-            f"sglang {target.version}",
-        )
+        base = repo.commit_dir(workspace.tree(target.version), parent, f"sglang {target.version}")
         state = state.with_target(index, replace(target, base_commit=base))
         state = workspace.save(replace(state, tip=base, patch_index=0))
         state = verify.drop_upstreamed(workspace, repo, state)

@@ -20,7 +20,7 @@ from sm120fork.rebase.conflicts import gate_conditions
 from sm120fork.rebase.gatefindings import KINDS
 from sm120fork.rebase.ledger import shown
 from sm120fork.rebase.state import Conflict, RebaseState, Status, StepResult
-from sm120fork.upstream import UpstreamSource
+from sm120fork.upstream.source import UpstreamSource
 
 # How a `rebase VERSION` ended; the upstream watch reads this, not the exit code.
 Result = Literal["complete", "conflict", "dry-run", "up-to-date", "bad-input"]

@@ -19,6 +19,17 @@ _DRY_RUN_NOTE = [
 ]
 
 
+def _dry_run_note(report: Report) -> list[str]:
+    """A dry run goes on past a conflict; it stops, as the rebase would, where a patch's
+    rows cannot run (the patches after it are then pending)."""
+    if not any(p.status == "pending" for p in report.patches):
+        return _DRY_RUN_NOTE
+    return [
+        "The dry run stopped where the rebase would: the patches after it were not carried.",
+        "",
+    ]
+
+
 def write(directory: Path, report: Report) -> tuple[Path, Path]:
     json_path, md_path = directory / "report.json", directory / "report.md"
     atomic_write_many(
@@ -78,7 +89,7 @@ def _markdown(report: Report, listed: int | None) -> str:
         "",
         report.summary_line(),
         "",
-        *(_DRY_RUN_NOTE if report.result == "dry-run" and stops else []),
+        *(_dry_run_note(report) if report.result == "dry-run" and stops else []),
         "| patch | status | strategy | what happened |",
         "|---|---|---|---|",
         *(

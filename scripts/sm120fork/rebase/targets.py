@@ -8,15 +8,12 @@ from pathlib import Path
 from packaging.version import Version
 
 from sm120fork.errors import FatalError
+from sm120fork.paths import MANIFEST_NAME
 from sm120fork.rebase import decisionenv
-from sm120fork.upstream import (
-    Progress,
-    UpstreamSource,
-    available_versions,
-    fetch_release,
-    lock,
-    manifest,
-)
+from sm120fork.upstream import lock, manifest
+from sm120fork.upstream.fetch import available_versions, fetch_release
+from sm120fork.upstream.release import Progress
+from sm120fork.upstream.source import UpstreamSource
 from sm120fork.upstream.versions import releases, resolve_version
 
 
@@ -37,13 +34,13 @@ def plan(spec: str, pinned: str, *, source: UpstreamSource, step: bool, scratch:
 
 
 def tree(workdir: Path) -> Path:
-    """Where `fetch` lays out a release (upstream.fetch_release's convention)."""
+    """Where `fetch` lays out a release (upstream.fetch.fetch_release's convention)."""
     return workdir / "tree"
 
 
 def manifest_file(workdir: Path) -> Path:
     """Where `fetch` writes the release's vendor/sglang.sha256."""
-    return workdir / manifest.FILE_NAME
+    return workdir / MANIFEST_NAME
 
 
 def fetch(

@@ -29,6 +29,8 @@ from sm120fork.rebase.gaterows import Observations, cells
 _LITERAL = re.compile(r"""(["'])((?:\\.|(?!\1).)*)\1""")
 _SHOWN = 3  # cells quoted in a reason
 
+_NOT_LOADED = ("ImportError:", "ModuleNotFoundError:")
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -180,8 +182,11 @@ def _value(observations: Observations, row: table.Row, arch: str) -> str:
 
 def _resolution(observations: Observations, row: table.Row, arch: str) -> str | None:
     """How a release resolves the cell's case: "a refusal" for any error (its words may
-    change freely), else the value; None where it cannot be seen."""
+    change freely), else the value; None where it cannot be seen (an import that fails
+    says the tree does not fit the environment, not how the case is resolved)."""
     observed = table.observed_cell(observations.get(arch, {}).get(row.scenario), row.field)
     if table.unobservable(observed) or observed == table.MISSING:
+        return None
+    if isinstance(observed, table.Raised) and observed.message.startswith(_NOT_LOADED):
         return None
     return "a refusal" if isinstance(observed, table.Raised) else table.render(observed)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from sm120fork import gateenv
 from sm120fork.errors import FatalError
 from sm120fork.harness import table
 from sm120fork.rebase import decisionenv, fate, gaterows, ledger, verdicts
@@ -113,7 +114,8 @@ def verify_release(
     say(f"verifying {len(with_rows)} patches on patched sglang {version} in {why}")
     try:
         seen = observer.observe([state.target.base_commit, state.tip], scenarios, found.archs)
-        before = observer.observe([previous], refusals, found.sm12x)[previous] if refusals else None
+        earlier = _previous_observer(workspace, repo, state) if refusals else None
+        before = earlier.observe([previous], refusals, found.sm12x)[previous] if earlier else None
     except FatalError as error:
         reason = f"its rows could not run in {why}: {error.message}"
         return _stop(repo, state, with_rows[0], reason)
@@ -132,6 +134,23 @@ def verify_release(
         else:
             return _stop(repo, state, index, said)
     return state
+
+
+def _previous_observer(
+    workspace: Workspace, repo: WorkRepo, state: RebaseState
+) -> gaterows.Observer | None:
+    """The observer of the release before, in that release's own environment (its
+    pristine rows are kept from its own verification): the pinned release's is the
+    fork's gate environment. None where it has none: no refusal is then reviewed."""
+    index = state.release_index
+    if index:
+        return _observer(workspace, repo, state.targets[index - 1].version)[0]
+    own = gateenv.locate(workspace.paths.root)
+    if not own.python.exists():
+        return None
+    env = decisionenv.DecisionEnv(own.python, f"{own.venv} (the fork's gate environment)")
+    kept = workspace.paths.rebase_dir.with_name("rebase-observed")
+    return gaterows.Observer(repo, env, workspace.paths.root, kept)
 
 
 def _refuses(row: table.Row, found: gaterows.Table) -> bool:

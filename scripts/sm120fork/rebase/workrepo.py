@@ -13,7 +13,6 @@ reads every file each patch changes, before and after, at every release.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -73,38 +72,6 @@ class WorkRepo:
         set-up)."""
         # the tree is `tree` alone, not the parent's plus it
         return self._fast_import(message, parent, [b"deleteall\n", *fastimport.file_commands(tree)])
-
-    def commit_known(
-        self, tree: Path, known: Mapping[str, gitcmd.Blob], parent: str | None, message: str
-    ) -> str | None:
-        """`commit_dir(tree, ...)`'s commit without reading a file: each file of `tree` by
-        the blob id `known` gives its path, its mode and size checked against it (the
-        blobs readable here: `borrow_objects`). None when a file is not known so, or a
-        known blob is missing: `commit_dir` then."""
-        commands: list[bytes] = [b"deleteall\n"]
-        for path, mode, _, _, size in fastimport.listed(tree):
-            blob = known.get(os.fsdecode(path))
-            if blob is None or (blob.mode, blob.size) != (mode.decode(), size):
-                return None
-            commands += [b"M ", mode, b" ", blob.oid.encode(), b" ", fastimport.quoted(path), b"\n"]
-        try:
-            return self._fast_import(message, parent, commands)
-        except gitcmd.GitError:  # a blob the borrowed store no longer has
-            return None
-
-    def borrow_objects(self, objects: Path) -> None:
-        """Read the objects of another repository's store (`objects`, its objects
-        directory) as this one's own: git's alternates. Only the scratch repository
-        depends on it, and only while the rebase is under way."""
-        alternates = self.root / ".git" / "objects" / "info" / "alternates"
-        listed = alternates.read_text().splitlines() if alternates.is_file() else []
-        if str(objects) not in listed:
-            alternates.write_text("".join(f"{line}\n" for line in [*listed, str(objects)]))
-            # git reads the alternates once a process: a `cat-file --batch` started
-            # before would never find the objects only the new store holds.
-            reader = self.__dict__.pop("_objects", None)
-            if reader is not None:
-                reader.close()
 
     def commit_changes(self, parent: str, message: str, changes: Mapping[str, str | None]) -> str:
         """Commit `parent` with `changes` (path -> new text, None: deleted) made, without the

@@ -11,14 +11,134 @@ sides is a refresh, said in one line.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
+from sm120fork.patches.dep3 import Dep3Header
+from sm120fork.patches.diffs import parse_diff
+from sm120fork.patches.lines import split_lines
 from sm120fork.patches.normalform import DiffRenderer
 from sm120fork.patches.patchfile import PatchFile
-from sm120fork.review.headers import header_changes
-from sm120fork.review.hunks import change_lines, changed_spans, keep_overlapping
-from sm120fork.review.model import PatchReview
+from sm120fork.review.model import FieldChange, PatchReview
 from sm120fork.review.patched import Step
+
+# ---- DEP-3 header changes: subject, description, evidence, dates.
+
+
+def _bugs(header: Dep3Header) -> str:
+    return ", ".join(
+        f.value.strip()
+        for f in header.fields
+        if f.name.lower() == "bug" or f.name.lower().startswith("bug-")
+    )
+
+
+def _field(header: Dep3Header, *names: str) -> str:
+    found = header.get(*names)
+    return found.value.strip() if found else ""
+
+
+def fields(header: Dep3Header) -> dict[str, str]:
+    """The fields a reviewer compares, each as one string ("" when absent)."""
+    return {
+        "Subject": header.subject,
+        "Description": header.description,
+        "Author": _field(header, "From", "Author"),
+        "Origin": _field(header, "Origin"),
+        "Bug": _bugs(header),
+        "Forwarded": _field(header, "Forwarded"),
+        "Last-Update": _field(header, "Last-Update"),
+    }
+
+
+def header_changes(old: Dep3Header, new: Dep3Header) -> tuple[FieldChange, ...]:
+    before, after = fields(old), fields(new)
+    return tuple(
+        FieldChange(name, before[name] or None, after[name] or None)
+        for name in before
+        if before[name] != after[name]
+    )
+
+
+# ---- Hunks of a git diff as text blocks, to keep those overlapping the patch's lines.
+
+Span = tuple[int, int]  # first line, one past the last (1-based)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One hunk of one file section: its text, and the lines it covers on each side."""
+
+    path: str
+    header: str  # the file section's header lines (diff --git, ---, +++)
+    text: str
+    old: Span
+    new: Span
+
+
+def _span(start: int, count: int) -> Span:
+    return (start, start + max(count, 1))
+
+
+def blocks(diff: str) -> list[Block]:
+    """Each hunk of `diff` (git's output) with the text it has there, header included."""
+    lines = split_lines(diff)
+    found: list[Block] = []
+    for file in parse_diff(diff):
+        first = file.hunks[0].lineno - 1
+        header = "".join(lines[file.lineno - 1 : first])
+        for hunk in file.hunks:
+            text = "".join(lines[hunk.lineno - 1 : hunk.lineno - 1 + hunk.diff_lines])
+            old, new = _span(hunk.old_start, hunk.old_count), _span(hunk.new_start, hunk.new_count)
+            found.append(Block(file.path, header, text, old, new))
+    return found
+
+
+def changed_spans(diff: str) -> dict[str, list[Span]]:
+    """Per file, the lines the diff's hunks cover on its new side."""
+    spans: dict[str, list[Span]] = {}
+    for block in blocks(diff):
+        spans.setdefault(block.path, []).append(block.new)
+    return spans
+
+
+def change_lines(diff: str) -> dict[str, list[str]]:
+    """Per file, only the removed and added lines: the change without its place."""
+    result: dict[str, list[str]] = {}
+    for block in blocks(diff):
+        lines = split_lines(block.text)[1:]
+        result.setdefault(block.path, []).extend(ln for ln in lines if ln[:1] in ("-", "+"))
+    return result
+
+
+def _overlaps(span: Span, others: Iterable[Span]) -> bool:
+    return any(span[0] < end and start < span[1] for start, end in others)
+
+
+def keep_overlapping(
+    diff: str, old_spans: dict[str, list[Span]], new_spans: dict[str, list[Span]]
+) -> tuple[str, int]:
+    """The hunks of `diff` whose old side overlaps `old_spans` or new side `new_spans`
+    (per file), and how many hunks were left out."""
+    kept: list[Block] = []
+    dropped = 0
+    for block in blocks(diff):
+        if _overlaps(block.old, old_spans.get(block.path, ())) or _overlaps(
+            block.new, new_spans.get(block.path, ())
+        ):
+            kept.append(block)
+        else:
+            dropped += 1
+    out, current = [], None
+    for block in kept:
+        if block.header != current:
+            out.append(block.header)
+            current = block.header
+        out.append(block.text)
+    return "".join(out), dropped
+
+
+# ---- The review of one patch.
 
 
 def diff_part(patch: PatchFile) -> bytes:

@@ -95,20 +95,6 @@ def fetched_repository(workdir: Path) -> Path:
     return workdir / "upstream.git"
 
 
-def fetched_files(workdir: Path, commit: str) -> dict[str, gitcmd.Blob] | None:
-    """What `fetch_tree` may have written from `commit` (LICENSE and python/sglang), as
-    the repository it fetched into holds them; None when that repository is gone."""
-    git_dir = fetched_repository(workdir)
-    if not git_dir.is_dir():
-        return None
-    listing = [
-        *("--git-dir", str(git_dir), "ls-tree", "-r", "-l", "-z", "--full-tree", commit),
-        *("--", LICENSE, SUBTREE),
-    ]
-    listed = gitcmd.run(listing, workdir, check=False)
-    return gitcmd.listed_blobs(listed.stdout) if listed.returncode == 0 else None
-
-
 def _entries(listing: bytes, tag: str) -> dict[str, tuple[str, str]]:
     """path -> (blob id, mode), refusing links, submodules and unsafe paths."""
     entries: dict[str, tuple[str, str]] = {}

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Literal
 
 from sm120fork.errors import FatalError
+from sm120fork.paths import MANIFEST_NAME
 
-FILE_NAME = "sglang.sha256"  # beside vendor/sglang.lock
 _HEADER = re.compile(r"# sglang (?P<version>\S+): ")
 _LINE = re.compile(r"(?P<sha256>[0-9a-f]{64}) [ *](?P<path>[^\n\r\\]+)")
 # Python's bytecode cache, which git ignores: written into the pristine tree by
@@ -45,7 +45,7 @@ class Manifest:
             odd = any(char in path for char in "\n\r\\") or ".." in path.split("/")
             if not path or odd or path.startswith("/"):
                 raise FatalError(
-                    f"upstream file {path!r} cannot be named in {FILE_NAME}; refusing the tree"
+                    f"upstream file {path!r} cannot be named in {MANIFEST_NAME}; refusing the tree"
                 )
         return cls(version, tuple(sorted(hashes.items())))
 

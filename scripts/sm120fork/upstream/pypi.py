@@ -33,7 +33,7 @@ def pip(args: list[str]) -> subprocess.CompletedProcess[str]:
 def available_versions() -> tuple[str, ...]:
     """The versions of sglang pip offers this interpreter, as pip spells them.
 
-    Only versions with a file for this interpreter: `upstream.available_versions`
+    Only versions with a file for this interpreter: `upstream.fetch.available_versions`
     completes the list from the index's own pages."""
     result = pip(["index", "versions", PROJECT])
     match = re.search(r"^Available versions: (.*)$", result.stdout, re.MULTILINE)

@@ -22,7 +22,7 @@ def fetch(lock: Lock, artifact: Artifact, cache: Path, progress: Progress) -> by
         progress(f"using cached {artifact.file}")
         return _verified(cached, artifact, "delete it to download it again")
     # Imported here: the index client is heavy, and a cached wheel needs none of it.
-    from sm120fork.upstream import download_locked_wheel
+    from sm120fork.upstream.artifacts import download_locked_wheel
 
     python_tag, platform = download_target(artifact.file)
     try:
