@@ -54,29 +54,10 @@ class Known:
 # Defects of the patched tree not yet fixed. Each must still match some SM12x cell's
 # problem (test_known_failing_still_fails): the coordinator drops an entry once fixed.
 KNOWN_FAILING: dict[str, Known] = {
-    "b12x-holds-scales-twice": Known(
-        "issue 37 item 2: raw block scales, the blockscale_swizzled placeholders and the "
-        "b12x 6-D copy are all kept",
-        r"flashinfer_b12x: holds 1\.\d+x the checkpoint's expert bytes after loading",
-    ),
-    "b12x-pads-on-first-forward": Known(
-        "issue 37 item 2: B12xMoEWrapper.run pads I to a multiple of 128 and caches "
-        "the copy (_pad_intermediate_to_tile) after the KV pool is sized",
-        r"flashinfer_b12x: the first forward allocates",
-    ),
     "b12x-refused-at-load": Known(
         "issue 37 item 5: auto resolves to flashinfer_b12x for a layer that "
         "check_b12x_runner_config refuses when the model is built",
         r"build: ValueError: --moe-runner-backend flashinfer_b12x",
-    ),
-    "situ-on-marlin": Known(
-        "issue 37 item 1: ModelOptNvFp4FusedMoEMethod.apply asserts before its marlin branch",
-        r"marlin: apply: AssertionError: activation='situ' is unsupported",
-    ),
-    "situ-ct-nvfp4-on-cutlass": Known(
-        "issue 37 item 1 (compressed-tensors NVFP4): auto stays flashinfer_cutlass, "
-        "which has no SiTU",
-        r"flashinfer_cutlass: apply: AssertionError: Activation 'situ'",
     ),
     "cutlass-relu2-holds-more": Known(
         "found here (SM121, Nemotron-H NVFP4 on flashinfer_cutlass): a non-gated layer at "
