@@ -95,8 +95,9 @@ def run_size(group: dict[str, Any], quant_config: Any, size: int) -> dict[str, A
             out["runner"] = str(getattr(layer.runner_backend, "value", layer.runner_backend))
             out["method"] = type(layer.quant_method).__name__
             out["stage"] = "load"
-            checkpoint = forward_memory.load_random(layer, seed=size)
+            checkpoint = forward_memory.load_random(layer, seed=size, inter=size)
             out["checkpoint_bytes"] = checkpoint.nbytes
+            out["padded_intermediate"] = int(getattr(layer, "intermediate_size_per_partition", size))
             out["stage"] = "process"
             layer.quant_method.process_weights_after_loading(layer)
             out["held_bytes"] = forward_memory.held_bytes(layer)

@@ -46,8 +46,13 @@ def _random(dtype: torch.dtype, shape: list[int], suffix: str, gen: torch.Genera
     return (torch.randn(shape, generator=gen) * 0.05).to(dtype)
 
 
-def _shard_shape(layer: Any, param: Any, shard: str, shards: int) -> list[int]:
-    """The checkpoint's per-expert tensor: [out, in] rows of its shard, or a scalar."""
+def _shard_shape(layer: Any, param: Any, shard: str, shards: int, inter: int) -> list[int]:
+    """The checkpoint's per-expert tensor: [out, in] rows of its shard, or a scalar.
+
+    A method may pad the per-rank intermediate size when it creates the parameters
+    (b12x pads to its kernels' tile): the checkpoint still holds `inter` rows (w1/w3)
+    or `inter` columns, packed as the parameter packs them (w2), and the loader pads.
+    """
     rest = list(param.shape[1:])
     if not rest or (shard != "w2" and rest == [shards] and shards == 2):
         return []  # one scale per expert (and shard)
@@ -57,10 +62,16 @@ def _shard_shape(layer: Any, param: Any, shard: str, shards: int) -> list[int]:
     dim = (0 if shard != "w2" else 1) ^ int(transposed)
     if shard != "w2":
         rest[dim] //= shards
+    padded = getattr(layer, "intermediate_size_per_partition", inter)
+    if not transposed and padded > inter:
+        if shard != "w2" and rest[0] == padded:
+            rest[0] = inter
+        elif shard == "w2" and padded % rest[1] == 0:
+            rest[1] = inter // (padded // rest[1])  # FP4 packs 2, block scales 16
     return rest[::-1] if transposed else rest
 
 
-def load_random(layer: Any, seed: int) -> Checkpoint:
+def load_random(layer: Any, seed: int, inter: int) -> Checkpoint:
     gen = torch.Generator().manual_seed(seed)
     checkpoint = Checkpoint()
     gated = layer.moe_runner_config.is_gated
@@ -78,7 +89,7 @@ def load_random(layer: Any, seed: int) -> Checkpoint:
         experts = param.shape[0]
         for expert in range(experts):
             for shard in shards:
-                shape = _shard_shape(layer, param, shard, len(shards))
+                shape = _shard_shape(layer, param, shard, len(shards), inter)
                 tensor = _random(param.dtype, shape, suffix, gen)
                 if shard == "w3" and not shape:  # gate and up share per-tensor scales
                     tensor = checkpoint.tensors[(expert, "w1", suffix)]
