@@ -33,12 +33,13 @@ def test_sigint_exits_130(tmp_path: Path) -> None:
     """A real SIGINT while a command runs: exit 130 and one line, no traceback."""
     script = textwrap.dedent(
         """
-        import os, signal, sys, time
+        import os, signal, sys
         from sm120fork import cli
         from sm120fork.commands import check
-        # The handler runs at the interpreter's next check, which a loaded machine can
-        # put after the lambda returns: wait for it, as a real command would be busy.
-        check.run = lambda args: (os.kill(os.getpid(), signal.SIGINT), time.sleep(30))
+        # A job started in the background inherits SIGINT ignored, and Python then
+        # keeps it ignored: restore the handler a terminal's Ctrl-C would meet.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        check.run = lambda args: os.kill(os.getpid(), signal.SIGINT)
         (cli.Path(sys.argv[1]) / "patches").mkdir()
         (cli.Path(sys.argv[1]) / "patches" / "series").write_text("")
         raise SystemExit(cli.main(["-C", sys.argv[1], "check"]))
